@@ -1,0 +1,5 @@
+import sys
+
+from jaxremat.cli import main
+
+sys.exit(main())

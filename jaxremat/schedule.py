@@ -1,0 +1,115 @@
+"""What a solver returns: an op list with its predicted time and peak, and why it may fail."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxremat.costs import ChainCosts
+from jaxremat.simulate import FORWARD_KINDS, Op, simulate
+from jaxremat.units import format_bytes
+
+
+class InfeasibleBudget(ValueError):
+    """No schedule of this algorithm fits the budget.
+
+    Attributes:
+      min_budget: the smallest budget in bytes for which the algorithm finds a schedule.
+      budget: the budget that was asked for, in bytes.
+      algorithm: the algorithm's name.
+    """
+
+    def __init__(self, algorithm: str, budget: int, min_budget: int, note: str = ""):
+        self.algorithm = algorithm
+        self.budget = int(budget)
+        self.min_budget = int(min_budget)
+        msg = (
+            f"budget {format_bytes(budget)} ({budget:,} bytes) is below what algorithm "
+            f"{algorithm!r} needs on this chain: at least {format_bytes(min_budget)} "
+            f"({min_budget:,} bytes)"
+        )
+        if note:
+            msg += f"; {note}"
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (InfeasibleBudget, (self.algorithm, self.budget, self.min_budget))
+
+
+@dataclass(frozen=True)
+class StageDecision:
+    """What a schedule does with one stage."""
+
+    stage: int
+    first_pass: str  # "stored" (Fall), "checkpoint" (Fck: input kept), "dropped" (Fn), "none"
+    forwards: int  # forward executions of the stage, recomputations included
+
+    @property
+    def recomputed(self) -> int:
+        return max(self.forwards - 1, 0)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A valid op list (``COST_MODEL.md``) with its simulated peak (bytes) and time."""
+
+    ops: tuple[Op, ...]
+    time: float
+    peak: int
+    budget: int | None
+    algorithm: str
+    costs: ChainCosts = field(repr=False, compare=False)
+    note: str = ""
+
+    @classmethod
+    def from_ops(
+        cls, costs: ChainCosts, ops, *, budget: int | None, algorithm: str, note: str = ""
+    ) -> "Schedule":
+        """Build a schedule, replaying ``ops`` for its exact peak and time."""
+        ops = tuple((str(k), int(i)) for k, i in ops)
+        peak, time = simulate(costs, ops)
+        return cls(ops=ops, time=time, peak=peak, budget=budget, algorithm=algorithm, costs=costs, note=note)
+
+    @property
+    def overhead(self) -> float:
+        """Time over the store-all time ``sum(fwd) + sum(bwd)`` (1.0 means no recomputation)."""
+        base = float(self.costs.fwd.sum() + self.costs.bwd.sum())
+        return self.time / base if base > 0 else 1.0
+
+    def decisions(self) -> list[StageDecision]:
+        """Per stage: how its first forward keeps memory, and how often it runs forward."""
+        L = self.costs.length
+        first: list[str] = ["none"] * L
+        counts = [0] * L
+        names = {"Fall": "stored", "Fck": "checkpoint", "Fn": "dropped"}
+        for kind, i in self.ops:
+            if kind in FORWARD_KINDS:
+                if counts[i] == 0:
+                    first[i] = names[kind]
+                counts[i] += 1
+        return [StageDecision(i, first[i], counts[i]) for i in range(L)]
+
+    def summary(self) -> str:
+        """A readable report: budget, peak, time, and what happens to every stage."""
+        c = self.costs
+        budget = "none" if self.budget is None else format_bytes(self.budget)
+        lines = [
+            f"schedule ({self.algorithm}): {c.length} stages, {len(self.ops)} ops",
+            f"  budget {budget}, predicted peak {format_bytes(self.peak)}, "
+            f"time {self.time:.6g} ({self.overhead:.3f}x store-all)",
+        ]
+        if self.note:
+            lines.append(f"  note: {self.note}")
+        legend = {
+            "stored": "stored whole (Fall)",
+            "checkpoint": "input checkpointed (Fck)",
+            "dropped": "input not kept (Fn)",
+            "none": "never run",
+        }
+        width = max(len(c.stage_name(i)) for i in range(c.length))
+        for d in self.decisions():
+            rec = f", recomputed {d.recomputed}x" if d.recomputed else ""
+            lines.append(f"  {c.stage_name(d.stage):<{width}}  {legend[d.first_pass]}{rec}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()

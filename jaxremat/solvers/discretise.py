@@ -1,0 +1,134 @@
+"""Sizes in slots, the per-segment forward thresholds, and the least memory of persistent schedules.
+
+The dynamic program works on a chain extended with the loss as stage ``L``: ``x[L+1] = 0`` and
+stage ``L`` has zero store-all size, times and temporaries, so the base case ``s == t == L``
+reads "the loss needs ``x[L]`` free". All arrays here use that extension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxremat.costs import ChainCosts
+
+
+@dataclass(frozen=True, eq=False)
+class SlotChain:
+    """A chain's sizes in whole slots (or in bytes when ``slots`` is None), extended by the loss.
+
+    ``x`` has ``L+2`` entries, the others ``L+1``; sizes above ``slots`` are clipped to
+    ``slots + 1`` (they can never fit, and clipping keeps sums small).
+    """
+
+    L: int
+    slots: int | None
+    x: np.ndarray
+    xbar: np.ndarray
+    fwd_tmp: np.ndarray
+    bwd_tmp: np.ndarray
+    fwd: np.ndarray  # float64, L+1
+    bwd: np.ndarray  # float64, L+1
+
+
+def _ceil_slots(sizes: np.ndarray, mem: int, slots: int) -> np.ndarray:
+    """``ceil(size * slots / mem)`` in exact integer arithmetic, clipped to ``slots + 1``."""
+    if mem <= 0:
+        return np.where(sizes == 0, 0, slots + 1).astype(np.int64)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if int(sizes.max(initial=0)) < (1 << 62) // max(slots, 1):  # exact in int64
+        return np.minimum(-((-sizes * slots) // mem), slots + 1)
+    out = [min(-((-int(v) * slots) // mem), slots + 1) for v in sizes]
+    return np.array(out, dtype=np.int64)
+
+
+def extend(costs: ChainCosts) -> SlotChain:
+    """The chain in bytes, extended by the loss stage."""
+    z = np.zeros(1, dtype=np.int64)
+    zf = np.zeros(1)
+    return SlotChain(
+        L=costs.length,
+        slots=None,
+        x=np.concatenate([costs.x, z]),
+        xbar=np.concatenate([costs.xbar, z]),
+        fwd_tmp=np.concatenate([costs.fwd_tmp, z]),
+        bwd_tmp=np.concatenate([costs.bwd_tmp, z]),
+        fwd=np.concatenate([costs.fwd, zf]),
+        bwd=np.concatenate([costs.bwd, zf]),
+    )
+
+
+def discretise(costs: ChainCosts, budget: int, slots: int) -> SlotChain:
+    """Sizes in slots of ``(budget - x[0]) / slots`` bytes, every size rounded up."""
+    b = extend(costs)
+    mem = int(budget) - int(costs.x[0])
+    return SlotChain(
+        L=b.L,
+        slots=slots,
+        x=_ceil_slots(b.x, mem, slots),
+        xbar=_ceil_slots(b.xbar, mem, slots),
+        fwd_tmp=_ceil_slots(b.fwd_tmp, mem, slots),
+        bwd_tmp=_ceil_slots(b.bwd_tmp, mem, slots),
+        fwd=b.fwd,
+        bwd=b.bwd,
+    )
+
+
+def forward_thresholds(x: np.ndarray, fwd_tmp: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """``T[s, k]``: memory the forwards ``Fck s, Fn s+1 .. Fn s+k`` need beyond ``δ_{t+1}``.
+
+    ``T[s, k] = max(x[s+1] + fwd_tmp[s], max_{1<=q<=k} x[s+q] + x[s+q+1] + fwd_tmp[s+q])``:
+    the checkpoint option ``j = s + k + 1`` of the DP is allowed iff ``m >= x[t+1] + T[s, k]``.
+    Entries past the chain's end are filled with clipped indices and never used.
+    """
+    n = len(fwd_tmp)
+    xi = lambda i: x[np.minimum(i, len(x) - 1)]  # noqa: E731
+    fi = lambda i: fwd_tmp[np.minimum(i, n - 1)]  # noqa: E731
+    s = np.arange(rows)[:, None]
+    q = np.arange(cols)[None, :]
+    w = xi(s + q) + xi(s + q + 1) + fi(s + q)
+    u = xi(s + 1) + fi(s)
+    w = np.where(q == 0, u, w)
+    return np.maximum.accumulate(w, axis=1)
+
+
+def forward_times(fwd: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """``F[s, k] = fwd[s] + ... + fwd[s+k]`` (float64; indices past the end clipped)."""
+    prefix = np.concatenate([[0.0], np.cumsum(fwd)])
+    s = np.arange(rows)[:, None]
+    k = np.arange(cols)[None, :]
+    hi = np.minimum(s + k + 1, len(prefix) - 1)
+    lo = np.minimum(s, len(prefix) - 1)
+    return prefix[hi] - prefix[lo]
+
+
+def least_memory(c: SlotChain) -> int:
+    """Least memory (in ``c``'s units, beyond ``a_0``) that any persistent schedule needs.
+
+    Same feasibility conditions as the time DP, with times dropped: ``need(s, t)`` is the least
+    ``m`` with ``C(m, s, t)`` finite. Exact in the units given (bytes or slots).
+    """
+    L = c.L
+    x, xb, ft, bt = c.x, c.xbar, c.fwd_tmp, c.bwd_tmp
+    T = forward_thresholds(x, ft, L + 1, L + 1)
+    big = np.iinfo(np.int64).max // 8
+    need = np.full((L + 2, L + 2), big, dtype=np.int64)  # need[s, length]
+    s_all = np.arange(L + 1)
+    back = x[s_all] + x[s_all + 1] + xb + bt  # what B s needs
+    need[s_all, 0] = np.maximum(x[s_all + 1] + xb + ft, back)
+    for d in range(1, L + 1):
+        s = np.arange(L - d + 1)
+        t = s + d
+        sa = np.maximum(
+            np.maximum(x[t + 1] + xb[s] + ft[s], back[s]),
+            xb[s] + need[s + 1, d - 1],
+        )
+        k = np.arange(d)[None, :]
+        j = s[:, None] + k + 1
+        ck = np.maximum(
+            np.maximum(x[t + 1][:, None] + T[s[:, None], k], x[j] + need[j, d - 1 - k]),
+            need[s[:, None], k],
+        )
+        need[s, d] = np.minimum(sa, ck.min(axis=1))
+    return int(need[0, L])

@@ -1,0 +1,52 @@
+"""Shared strategies and settings for the solver tests."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+import jaxremat as jr
+
+settings.register_profile(
+    "ci",
+    max_examples=int(os.environ.get("JAXREMAT_EXAMPLES", 150)),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("ci")
+
+
+@st.composite
+def chains(draw, min_len: int = 1, max_len: int = 9) -> jr.ChainCosts:
+    """Random heterogeneous chains: varied x, xbar up to 20x x, zero temps, tiny sizes."""
+    L = draw(st.integers(min_len, max_len))
+    scale = draw(st.sampled_from([1, 10, 1000, 10**6]))
+    size = st.integers(0, 20).map(lambda v: v * scale)
+    x = draw(st.lists(size, min_size=L + 1, max_size=L + 1))
+    big = draw(st.booleans())
+    xbar = [
+        x[i + 1] * (draw(st.integers(1, 20)) if big else 1) + draw(size)
+        for i in range(L)
+    ]
+    zero_tmp = draw(st.booleans())
+    tmp = st.just(0) if zero_tmp else size
+    ftmp = [draw(tmp) for _ in range(L)]
+    btmp = [draw(tmp) for _ in range(L)]
+    t = st.floats(0.0, 10.0, allow_nan=False).map(lambda v: round(v, 3))
+    fwd = [draw(t) for _ in range(L)]
+    bwd = [draw(t) for _ in range(L)]
+    return jr.ChainCosts(x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=ftmp, bwd_tmp=btmp)
+
+
+def random_chain(rng: np.random.Generator, L: int) -> jr.ChainCosts:
+    return jr.ChainCosts(
+        x=rng.integers(1, 100, L + 1),
+        xbar=rng.integers(1, 400, L),
+        fwd=rng.uniform(0.5, 3, L),
+        bwd=rng.uniform(1, 6, L),
+        fwd_tmp=rng.integers(0, 30, L),
+        bwd_tmp=rng.integers(0, 30, L),
+    )
