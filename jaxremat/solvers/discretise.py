@@ -103,11 +103,12 @@ def forward_times(fwd: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return prefix[hi] - prefix[lo]
 
 
-def least_memory(c: SlotChain) -> int:
-    """Least memory (in ``c``'s units, beyond ``a_0``) that any persistent schedule needs.
+def least_memory_table(c: SlotChain) -> np.ndarray:
+    """``need[s, d]``: least memory (beyond the held ``a_s``) for the segment ``s .. s + d``.
 
     Same feasibility conditions as the time DP, with times dropped: ``need(s, t)`` is the least
-    ``m`` with ``C(m, s, t)`` finite. Exact in the units given (bytes or slots).
+    ``m`` with ``C(m, s, t)`` finite. Exact in the units given (bytes or slots). Entries past the
+    chain's end are a huge value.
     """
     L = c.L
     x, xb, ft, bt = c.x, c.xbar, c.fwd_tmp, c.bwd_tmp
@@ -131,4 +132,10 @@ def least_memory(c: SlotChain) -> int:
             need[s[:, None], k],
         )
         need[s, d] = np.minimum(sa, ck.min(axis=1))
-    return int(need[0, L])
+    return need
+
+
+def least_memory(c: SlotChain) -> int:
+    """Least memory (in ``c``'s units, beyond ``a_0``) that any persistent schedule needs."""
+    return int(least_memory_table(c)[0, c.L])
+

@@ -32,11 +32,8 @@ MPAD = 16  # memory axis padded to a multiple of this (SIMD-friendly)
 
 
 def bucket(L: int) -> int:
-    """Padded table size for a chain of ``L`` stages: ``>= L + 1``, a multiple of 16 below 128,
-    of 32 up to 512 and of 64 beyond (at most ~25% padding per axis)."""
-    n = L + 1
-    step = BUCKET if n <= 128 else 32 if n <= 512 else 64
-    return max(BUCKET, -(-n // step) * step)
+    """Padded table size for a chain of ``L`` stages (``>= L + 1``, a multiple of ``BUCKET``)."""
+    return max(BUCKET, -(-(L + 1) // BUCKET) * BUCKET)
 
 
 def _pad(a: np.ndarray, n: int, dtype) -> np.ndarray:

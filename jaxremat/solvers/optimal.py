@@ -57,6 +57,13 @@ def dp_min_budget(costs: ChainCosts, slots: int) -> int | None:
     return hi
 
 
+def op_time(costs: ChainCosts, ops: list[Op]) -> float:
+    """The time of ``ops`` without replaying them (valid or not)."""
+    fwd = np.array([i for k, i in ops if k in ("Fck", "Fn", "Fall")], dtype=np.int64)
+    n = np.bincount(fwd, minlength=costs.length)
+    return float(n @ costs.fwd + costs.bwd.sum())
+
+
 def candidates(costs: ChainCosts) -> dict[str, list[Op]]:
     """Fixed baseline schedules (all persistent) that ``optimal`` also considers."""
     L = costs.length
@@ -76,8 +83,9 @@ def solve_optimal(costs: ChainCosts, budget: int, slots: int, algorithm: str = "
         best = Schedule.from_ops(costs, ops, budget=budget, algorithm=algorithm)
         if best.peak > budget:
             raise AssertionError(f"DP schedule peaks at {best.peak} bytes over the budget {budget}")
-    cands = candidates(costs)
-    for name, cand_ops in cands.items():
+    for name, cand_ops in candidates(costs).items():
+        if best is not None and op_time(costs, cand_ops) >= best.time:
+            continue  # cheap: no replay for a candidate that cannot win
         sched = Schedule.from_ops(
             costs, cand_ops, budget=budget, algorithm=algorithm, note=f"the {name} schedule (DP in slots was not faster)"
         )

@@ -37,14 +37,16 @@ def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray]) -> list[Op]:
             v = fb[s] + A[s + 1, d - 1, m - xbar[s]]
             if v < best:
                 best, choice = v, ("store",)
-        for k in range(d):
-            j = s + k + 1
-            if m < x[j] or m < x[t + 1] + thr[s, k]:
-                continue
+        k = np.arange(d)
+        j = s + k + 1
+        ok = (m >= x[j]) & (m >= x[t + 1] + thr[s, :d])
+        if ok.any():
+            k, j = k[ok], j[ok]
             v = (A[s, k, m] + A[j, t - j, m - x[j]]) + F[s, k]
+            i = int(np.argmin(v))  # first (shortest left segment) among equals
             # a split must win by more than float32 rounding: on ties, store (no recomputation)
-            if v < (best - TIE * abs(best) if np.isfinite(best) else best):
-                best, choice = v, ("ck", j)
+            if v[i] < (best - TIE * abs(best) if np.isfinite(best) else best):
+                best, choice = v[i], ("ck", int(j[i]))
         if choice is None:
             raise AssertionError(f"DP table has no finite option at s={s}, t={t}, m={m}")
         if choice[0] == "store":
