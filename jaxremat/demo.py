@@ -41,6 +41,8 @@ def resnet_like_costs(batch: int = 32) -> ChainCosts:
 
 def run_demo(budgets: tuple[str, ...] = ("30%", "50%", "75%")) -> None:
     costs = resnet_like_costs()
+    for b in budgets:
+        budget_bytes(costs, b)  # a budget that does not parse fails before any output
     peak = store_all_peak(costs)
     print("jaxremat demo: a ResNet-50-shaped chain (batch 32, 224x224, float32), hand-written costs")
     print(f"  {costs.length} stages; store-all peak {format_bytes(peak)}; times in ms\n")
