@@ -6,7 +6,7 @@ a whole schedule. Solvers, tests and the exhaustive search all go through the sa
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from jaxremat.costs import ChainCosts
 
@@ -152,11 +152,3 @@ def simulate(costs: ChainCosts, ops: Iterable[Op]) -> tuple[int, float]:
         raise ValueError(f"schedule ends before the backward is complete: missing {missing}")
     return int(costs.x[0]) + top, m.time
 
-
-def forward_counts(L: int, ops: Sequence[Op]) -> list[int]:
-    """How many times each stage's forward runs in ``ops``."""
-    counts = [0] * L
-    for kind, i in ops:
-        if kind in FORWARD_KINDS:
-            counts[i] += 1
-    return counts
