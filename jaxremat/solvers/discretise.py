@@ -103,12 +103,11 @@ def forward_times(fwd: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return prefix[hi] - prefix[lo]
 
 
-def least_memory_table(c: SlotChain) -> np.ndarray:
-    """``need[s, d]``: least memory (beyond the held ``a_s``) for the segment ``s .. s + d``.
+def least_memory(c: SlotChain) -> int:
+    """Least memory (in ``c``'s units, beyond ``a_0``) that any persistent schedule needs.
 
     Same feasibility conditions as the time DP, with times dropped: ``need(s, t)`` is the least
-    ``m`` with ``C(m, s, t)`` finite. Exact in the units given (bytes or slots). Entries past the
-    chain's end are a huge value.
+    ``m`` with ``C(m, s, t)`` finite. Exact in the units given (bytes or slots).
     """
     L = c.L
     x, xb, ft, bt = c.x, c.xbar, c.fwd_tmp, c.bwd_tmp
@@ -132,10 +131,5 @@ def least_memory_table(c: SlotChain) -> np.ndarray:
             need[s[:, None], k],
         )
         need[s, d] = np.minimum(sa, ck.min(axis=1))
-    return need
-
-
-def least_memory(c: SlotChain) -> int:
-    """Least memory (in ``c``'s units, beyond ``a_0``) that any persistent schedule needs."""
-    return int(least_memory_table(c)[0, c.L])
+    return int(need[0, L])
 

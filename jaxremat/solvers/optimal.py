@@ -6,7 +6,7 @@ import numpy as np
 
 from jaxremat.costs import ChainCosts
 from jaxremat.schedule import InfeasibleBudget, Schedule
-from jaxremat.simulate import Op
+from jaxremat.simulate import FORWARD_KINDS, Op
 from jaxremat.solvers import baselines
 from jaxremat.solvers.discretise import SlotChain, discretise, extend, least_memory
 from jaxremat.solvers.dp_jax import table
@@ -16,11 +16,9 @@ from jaxremat.solvers.rebuild import rebuild_ops
 def dp_ops(costs: ChainCosts, budget: int, slots: int) -> list[Op] | None:
     """The DP's op list for ``budget`` with ``slots`` slots, or ``None`` if nothing fits in slots."""
     c = discretise(costs, budget, slots)
-    if least_memory(c) > slots:
-        return None
     A, args = table(c)
     if not np.isfinite(A[0, c.L, slots]):
-        raise AssertionError("DP table and least_memory disagree on feasibility")
+        return None
     return rebuild_ops(A, args)
 
 
@@ -59,7 +57,7 @@ def dp_min_budget(costs: ChainCosts, slots: int) -> int | None:
 
 def op_time(costs: ChainCosts, ops: list[Op]) -> float:
     """The time of ``ops`` without replaying them (valid or not)."""
-    fwd = np.array([i for k, i in ops if k in ("Fck", "Fn", "Fall")], dtype=np.int64)
+    fwd = np.array([i for k, i in ops if k in FORWARD_KINDS], dtype=np.int64)
     n = np.bincount(fwd, minlength=costs.length)
     return float(n @ costs.fwd + costs.bwd.sum())
 
