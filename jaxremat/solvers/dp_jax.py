@@ -62,10 +62,15 @@ def prepare(c: SlotChain) -> dict[str, np.ndarray]:
 
 
 def _shift(rows: jax.Array, by: jax.Array, m: jax.Array) -> jax.Array:
-    """``out[r, m] = rows[r, m - by[r]]``, ``inf`` where ``m < by[r]``."""
-    idx = m[None, :] - by[:, None]
-    out = jnp.take_along_axis(rows, jnp.maximum(idx, 0), axis=1)
-    return jnp.where(idx >= 0, out, jnp.inf)
+    """``out[r, m] = rows[r, m - by[r]]``, ``inf`` where ``m < by[r]``.
+
+    Each row is one contiguous slice of the row padded on the left with ``inf``: a gather of
+    whole rows, several times faster on CPU than gathering element by element.
+    """
+    n = rows.shape[1]
+    padded = jnp.concatenate([jnp.full_like(rows, jnp.inf), rows], axis=1)
+    start = n - jnp.clip(by, 0, n)
+    return jax.vmap(lambda row, b: lax.dynamic_slice(row, (b,), (n,)))(padded, start)
 
 
 # The reduction as XLA's own loop fusion (not a YNNPACK call) and min without NaN handling
