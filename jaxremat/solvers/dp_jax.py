@@ -158,10 +158,19 @@ def table(c: SlotChain) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     where ``s + (t - s) <= L``) and the inputs used."""
     args = prepare(c)
     arrays = [np.asarray(args[k]) for k in _ORDER]
-    shapes = tuple((a.shape, a.dtype) for a in arrays)
     cpu = jax.devices("cpu")[0]
-    A = _compiled(shapes)(*[jax.device_put(a, cpu) for a in arrays])
+    A = _compiled(_shapes(arrays))(*[jax.device_put(a, cpu) for a in arrays])
     return np.asarray(A), args
+
+
+def program(c: SlotChain) -> "jax.stages.Compiled":
+    """The compiled table program for ``c``'s size bucket (compiled on first use)."""
+    args = prepare(c)
+    return _compiled(_shapes([np.asarray(args[k]) for k in _ORDER]))
+
+
+def _shapes(arrays: list[np.ndarray]) -> tuple:
+    return tuple((a.shape, a.dtype) for a in arrays)
 
 
 def table_bytes(c: SlotChain) -> int:
