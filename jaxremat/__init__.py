@@ -5,7 +5,9 @@ which to recompute (the persistent dynamic program of Rotor, with its store-all 
 and reports the predicted peak and time against the usual hand-written strategies.
 """
 
+from jaxremat.chain import Chain
 from jaxremat.costs import ChainCosts
+from jaxremat.profile import profile
 from jaxremat.schedule import InfeasibleBudget, Schedule, StageDecision
 from jaxremat.simulate import simulate
 from jaxremat.solvers import ALGORITHMS, min_budget, pareto, solve, store_all_peak
@@ -15,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ALGORITHMS",
+    "Chain",
     "ChainCosts",
     "InfeasibleBudget",
     "Schedule",
@@ -22,6 +25,7 @@ __all__ = [
     "format_bytes",
     "min_budget",
     "pareto",
+    "profile",
     "parse_budget",
     "parse_bytes",
     "simulate",

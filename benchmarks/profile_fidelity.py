@@ -1,0 +1,82 @@
+"""Does the profiled cost model match XLA? (issue 3, work in progress)
+
+For a chain, profile it, then compile the whole training step (loss and gradients) without remat
+and with ``jax.checkpoint`` around every stage, on CPU with ``cse_barrier_expander`` disabled,
+and compare XLA's ``temp_size_in_bytes`` with the simulated peak of the ``"store_all"`` and
+``"every_stage"`` schedules minus the input ``a_0`` (temp memory holds no arguments or outputs).
+Writes ``benchmarks/results/profile_fidelity.md``.
+
+    python benchmarks/profile_fidelity.py
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import jaxremat as jr
+from jaxremat.chain import Chain
+from jaxremat.profile import Rates, profile, profile_stages
+from jaxremat.solvers import baselines
+from jaxremat.xla_memory import REMAT_OPTIONS
+
+
+class Block(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.gelu(nn.Dense(self.width)(x))
+
+
+def step_temp(chain: Chain, variables, x, remat: bool) -> int:
+    per = chain.split(variables)
+
+    def step(ps, x):
+        def loss(ps):
+            a = x
+            for st, v, p in zip(chain.stages, per, ps):
+                f = lambda p, a, st=st, v=v: st.apply({**v, "params": p}, a, None)[0]  # noqa: E731
+                a = (jax.checkpoint(f) if remat else f)(p, a)
+            return jnp.mean(a.astype(jnp.float32) ** 2)
+
+        return jax.grad(loss)(ps)
+
+    ps = [v.get("params", {}) for v in per]
+    return int(jax.jit(step).lower(ps, x).compile(REMAT_OPTIONS).memory_analysis().temp_size_in_bytes)
+
+
+def main() -> None:
+    rows = []
+    for label, chain, x in [
+        ("MLP 8 x Dense(512)+gelu, batch 2048", Chain.from_linen([Block(512) for _ in range(8)]), jnp.ones((2048, 512))),
+    ]:
+        v = chain.init(jax.random.key(0), x)
+        costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10))
+        for remat, alg in ((False, "store_all"), (True, "every_stage")):
+            temp = step_temp(chain, v, x, remat)
+            peak, _ = jr.simulate(costs, baselines.FIXED[alg](costs.length))
+            pred = peak - int(costs.x[0])
+            rows.append((label, alg, temp, pred))
+            print(label, alg, temp, pred, round(temp / pred, 3), flush=True)
+    lines = [
+        "# Profiled cost model against XLA (work in progress, issue 3)",
+        "",
+        f"Measured {datetime.date.today().isoformat()}, CPU, jax {jax.__version__}, "
+        "`cse_barrier_expander` disabled. Command: `python benchmarks/profile_fidelity.py`",
+        "",
+        "| chain | schedule | XLA temp | predicted (simulate − a_0) | XLA / predicted |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {l} | {a} | {jr.format_bytes(t)} | {jr.format_bytes(p)} | {t / p:.3f} |" for l, a, t, p in rows]
+    out = Path(__file__).resolve().parent / "results" / "profile_fidelity.md"
+    out.write_text("\n".join(lines) + "\n")
+    print(out.read_text())
+
+
+if __name__ == "__main__":
+    main()

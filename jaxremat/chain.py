@@ -1,0 +1,204 @@
+"""A model as an ordered list of stages: what the profiler measures and the executor runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Variables = dict[str, Any]
+ApplyFn = Callable[[Variables, Any, dict[str, jax.Array] | None], tuple[Any, Variables]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage ``a_{i+1} = apply(variables_i, a_i, rngs)``.
+
+    ``apply`` returns ``(output, updated_collections)`` (an empty dict when nothing is mutable).
+    ``init(rng, a)`` makes the stage's variables, or is ``None`` for stages built from plain
+    functions with their parameters given.
+    """
+
+    name: str
+    kind: str
+    apply: ApplyFn = field(repr=False)
+    init: Callable[[jax.Array, Any], Variables] | None = field(default=None, repr=False)
+    mutable: tuple[str, ...] = ()
+    rng_streams: tuple[str, ...] = ()
+
+
+def _linen_stage(name: str, module: Any, mutable: Sequence[str], rng_streams: Sequence[str]) -> Stage:
+    import flax.linen as nn
+
+    if not isinstance(module, nn.Module):  # a plain function inside nn.Sequential (nn.relu, ...)
+        fn = module
+        return Stage(name, getattr(fn, "__name__", type(fn).__name__), lambda v, a, rngs: (fn(a), {}))
+
+    def apply(variables: Variables, a: Any, rngs: dict[str, jax.Array] | None) -> tuple[Any, Variables]:
+        if mutable:
+            return module.apply(variables, a, rngs=rngs, mutable=list(mutable))
+        return module.apply(variables, a, rngs=rngs), {}
+
+    def init(rng: jax.Array, a: Any) -> Variables:
+        rngs = {"params": rng, **{s: jax.random.fold_in(rng, k + 1) for k, s in enumerate(rng_streams)}}
+        return dict(module.init(rngs, a))
+
+    return Stage(name, type(module).__name__, apply, init, tuple(mutable), tuple(rng_streams))
+
+
+@dataclass(frozen=True)
+class Chain:
+    """An ordered list of :class:`Stage`; the output of stage ``i`` is the input of ``i + 1``.
+
+    Build one with :meth:`from_linen` or :meth:`from_functions`.
+    """
+
+    stages: tuple[Stage, ...]
+    sequential: bool = False  # variables in nn.Sequential's layout ({"params": {"layers_i": ...}})
+
+    def __post_init__(self) -> None:
+        if len(self.stages) == 0:
+            raise ValueError("a Chain needs at least one stage; got an empty list")
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    @classmethod
+    def from_functions(cls, pairs: Sequence[tuple[Callable, Any]]) -> "Chain":
+        """Stages from ``(f, params)`` pairs with ``f(params, a) -> a_next``.
+
+        Their variables (for :meth:`apply` and the profiler) are ``[{"params": p} for each pair]``.
+        """
+        if len(pairs) == 0:
+            raise ValueError("Chain.from_functions needs at least one (function, params) pair")
+        stages = []
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, tuple) and len(pair) == 2 and callable(pair[0])):
+                raise ValueError(f"Chain.from_functions: item {i} must be a (function, params) pair, got {pair!r}")
+            f = pair[0]
+            stages.append(Stage(f"{i}:{getattr(f, '__name__', 'stage')}", getattr(f, "__name__", "function"),
+                                lambda v, a, rngs, f=f: (f(v["params"], a), {})))
+        return cls(tuple(stages))
+
+    @staticmethod
+    def function_variables(pairs: Sequence[tuple[Callable, Any]]) -> list[Variables]:
+        """The per-stage variables of a chain made by :meth:`from_functions`."""
+        return [{"params": p} for _, p in pairs]
+
+    @classmethod
+    def from_linen(
+        cls, modules: Any, *, mutable: Sequence[str] = (), rng_streams: Sequence[str] = ()
+    ) -> "Chain":
+        """Stages from a list of Flax linen modules or an ``nn.Sequential``.
+
+        Args:
+          modules: the modules (plain functions such as ``nn.relu`` are allowed in a Sequential).
+          mutable: collections the stages update (e.g. ``("batch_stats",)``).
+          rng_streams: RNG streams the stages draw from (e.g. ``("dropout",)``).
+        """
+        import flax.linen as nn
+
+        sequential = isinstance(modules, nn.Sequential)
+        layers = list(modules.layers) if sequential else list(modules) if isinstance(modules, (list, tuple)) else None
+        if layers is None:
+            raise ValueError(
+                f"Chain.from_linen expects a list of linen modules or an nn.Sequential, got {type(modules).__name__}"
+            )
+        if not layers:
+            raise ValueError("Chain.from_linen: the model has no layers; a chain needs at least one stage")
+        stages = tuple(
+            _linen_stage(f"{i}:{getattr(m, 'name', None) or type(m).__name__}", m, mutable, rng_streams)
+            for i, m in enumerate(layers)
+        )
+        return cls(stages, sequential=sequential)
+
+    # -- variables -----------------------------------------------------------------------------
+
+    def split(self, variables: Any) -> list[Variables]:
+        """Per-stage variables from the model's variables (Sequential layout or a list)."""
+        if not self.sequential:
+            if len(variables) != len(self.stages):
+                raise ValueError(f"expected {len(self.stages)} per-stage variable dicts, got {len(variables)}")
+            return [dict(v) for v in variables]
+        return [
+            {col: tree[f"layers_{i}"] for col, tree in variables.items() if f"layers_{i}" in tree}
+            for i in range(len(self.stages))
+        ]
+
+    def merge(self, per_stage: Sequence[Variables]) -> Any:
+        """The inverse of :meth:`split`."""
+        if not self.sequential:
+            return list(per_stage)
+        out: dict[str, dict[str, Any]] = {}
+        for i, v in enumerate(per_stage):
+            for col, tree in v.items():
+                out.setdefault(col, {})[f"layers_{i}"] = tree
+        return out
+
+    def init(self, rng: jax.Array, x: Any) -> Any:
+        """Variables for every stage, in the plain model's layout."""
+        per_stage, a = [], x
+        for i, st in enumerate(self.stages):
+            v = st.init(jax.random.fold_in(rng, i), a) if st.init is not None else {}
+            per_stage.append(v)
+            a = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, None)[0], v, a)
+            a = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), a)
+        return self.merge(per_stage)
+
+    def apply(self, variables: Any, x: Any, rngs: dict[str, jax.Array] | None = None) -> Any:
+        """The plain forward pass (no remat), for reference and tests."""
+        a = x
+        for i, (st, v) in enumerate(zip(self.stages, self.split(variables))):
+            a = st.apply(v, a, stage_rngs(rngs, i))[0]
+        return a
+
+    def shapes(self, variables: Any, sample: Any) -> list[Any]:
+        """``jax.ShapeDtypeStruct`` trees of ``a_0 .. a_L``, checked stage by stage."""
+        out = [jax.eval_shape(lambda a: a, sample)]
+        check_leaves(out[0], "the chain's input")
+        for i, (st, v) in enumerate(zip(self.stages, self.split(variables))):
+            try:
+                nxt = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, None)[0], v, out[-1])
+            except Exception as e:  # noqa: BLE001 - re-raised with the stage named
+                if "not a valid JAX type" in str(e):
+                    raise ValueError(
+                        f"the output of stage {i} ({st.name}) has a non-array leaf: "
+                        f"{str(e).splitlines()[0].split('returned ')[-1]}; activations must be arrays or pytrees "
+                        "of arrays"
+                    ) from None
+                prev = f"stage {i - 1} ({self.stages[i - 1].name})" if i else "the chain's input"
+                raise ValueError(
+                    f"stage {i} ({st.name}) cannot take the output of {prev} with shapes "
+                    f"{describe(out[-1])}: {type(e).__name__}: {str(e).splitlines()[0]}"
+                ) from None
+            check_leaves(nxt, f"the output of stage {i} ({st.name})")
+            out.append(nxt)
+        return out
+
+
+def stage_rngs(rngs: dict[str, jax.Array] | None, i: int) -> dict[str, jax.Array] | None:
+    """Stage ``i``'s keys: each stream folded with the stage index (the same on a recompute)."""
+    if not rngs:
+        return None
+    return {k: jax.random.fold_in(r, i) for k, r in rngs.items()}
+
+
+def check_leaves(tree: Any, what: str) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise ValueError(
+                f"{what} has a non-array leaf at {jax.tree_util.keystr(path)}: {type(leaf).__name__}; "
+                "activations must be arrays or pytrees of arrays"
+            )
+
+
+def describe(tree: Any) -> str:
+    return str(jax.tree.map(lambda s: f"{np.dtype(s.dtype).name}{list(s.shape)}", tree))
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every array leaf of ``tree`` (arrays or ShapeDtypeStructs)."""
+    return int(sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(tree)))

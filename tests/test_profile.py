@@ -1,0 +1,89 @@
+"""Chain building and the XLA-measured per-stage costs (issue 3, first part)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxremat.chain import Chain, tree_bytes
+from jaxremat.profile import Rates, profile, profile_stages
+
+RATES = Rates(flops=1e10, bandwidth=1e10)  # fixed, so "xla" times are deterministic
+
+
+class Block(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.gelu(nn.Dense(self.width)(x))
+
+
+def test_sequential_layout_round_trips():
+    seq = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(4)])
+    x = jnp.ones((2, 5))
+    chain = Chain.from_linen(seq)
+    v = chain.init(jax.random.key(0), x)
+    plain = seq.init(jax.random.key(0), x)
+    assert jax.tree.structure(v) == jax.tree.structure(plain)
+    assert jax.tree.map(jnp.shape, v) == jax.tree.map(jnp.shape, plain)
+    np.testing.assert_allclose(chain.apply(v, x), seq.apply(v, x), rtol=1e-6)
+
+
+def test_from_functions_and_pytree_activations():
+    def first(p, x):
+        return (x @ p, jnp.ones(x.shape[0], jnp.int32))
+
+    def second(p, hm):
+        h, mask = hm
+        return h * mask[:, None] * p
+
+    pairs = [(first, jnp.ones((3, 4))), (second, jnp.float32(2.0))]
+    chain = Chain.from_functions(pairs)
+    shapes = chain.shapes(Chain.function_variables(pairs), jnp.ones((2, 3)))
+    assert tree_bytes(shapes[1]) == 2 * 4 * 4 + 2 * 4
+    costs = profile(chain, Chain.function_variables(pairs), jnp.ones((2, 3)), method="xla", rates=RATES)
+    assert list(costs.x) == [24, 40, 32]
+
+
+def test_bad_chains_say_what_is_wrong():
+    with pytest.raises(ValueError, match="needs at least one"):
+        Chain.from_linen([])
+    with pytest.raises(ValueError, match="needs at least one"):
+        Chain.from_functions([])
+    chain = Chain.from_functions([(lambda p, x: x @ p, jnp.ones((3, 4))), (lambda p, x: x @ p, jnp.ones((5, 2)))])
+    with pytest.raises(ValueError, match=r"stage 1 \(1:<lambda>\) cannot take the output of stage 0"):
+        chain.shapes([{"params": jnp.ones((3, 4))}, {"params": jnp.ones((5, 2))}], jnp.ones((2, 3)))
+    odd = Chain.from_functions([(lambda p, x: (x, "tag"), None)])
+    with pytest.raises(ValueError, match="non-array leaf"):
+        odd.shapes([{"params": None}], jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="list of linen modules or an nn.Sequential"):
+        Chain.from_linen(Block(4))
+
+
+def test_xbar_is_what_xla_keeps_for_dense_gelu():
+    # XLA keeps the pre-activation, tanh(...) of the gelu and the output: three activations,
+    # the same three buffers per block that the whole training step keeps (checked in the dump).
+    chain = Chain.from_linen([Block(256) for _ in range(3)])
+    x = jnp.ones((512, 256))
+    v = chain.init(jax.random.key(0), x)
+    costs, stages = profile_stages(chain, v, x, method="xla", rates=RATES)
+    act = 512 * 256 * 4
+    assert list(costs.x) == [act] * 4
+    for xb in costs.xbar:
+        assert 3 * act <= xb <= 3 * act + 64  # plus the 4-byte scalar the probe sums
+    assert all(s.fwd_flops > 2 * 512 * 256 * 256 for s in stages)
+    assert all(s.bwd_flops > s.fwd_flops for s in stages)
+    assert costs.fwd[0] == pytest.approx(max(stages[0].fwd_flops, stages[0].fwd_bytes) / 1e10)
+
+
+def test_profiling_does_not_touch_the_callers_variables():
+    chain = Chain.from_linen([Block(32), Block(32)])
+    x = jnp.ones((8, 32))
+    v = chain.init(jax.random.key(1), x)
+    before = jax.tree.map(np.array, v)
+    profile(chain, v, x, method="measure", repeats=1)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.array, v))
