@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import jaxremat as jr
 from jaxremat.chain import Chain
-from jaxremat.profile import Rates, profile, profile_stages
+from jaxremat.profiler import Rates, profile, profile_stages
 from jaxremat.solvers import baselines
 from jaxremat.xla_memory import REMAT_OPTIONS
 

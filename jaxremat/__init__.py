@@ -7,7 +7,7 @@ and reports the predicted peak and time against the usual hand-written strategie
 
 from jaxremat.chain import Chain
 from jaxremat.costs import ChainCosts
-from jaxremat.profile import profile
+from jaxremat.profiler import profile
 from jaxremat.schedule import InfeasibleBudget, Schedule, StageDecision
 from jaxremat.simulate import simulate
 from jaxremat.solvers import ALGORITHMS, min_budget, pareto, solve, store_all_peak

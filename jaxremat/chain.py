@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -28,6 +29,13 @@ class Stage:
     init: Callable[[jax.Array, Any], Variables] | None = field(default=None, repr=False)
     mutable: tuple[str, ...] = ()
     rng_streams: tuple[str, ...] = ()
+    key: str = ""  # the stage's structure (module config or function code), for caching
+
+
+def _function_key(fn: Callable) -> str:
+    code = getattr(fn, "__code__", None)
+    body = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else repr(fn)
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}:{body}"
 
 
 def _linen_stage(name: str, module: Any, mutable: Sequence[str], rng_streams: Sequence[str]) -> Stage:
@@ -35,7 +43,9 @@ def _linen_stage(name: str, module: Any, mutable: Sequence[str], rng_streams: Se
 
     if not isinstance(module, nn.Module):  # a plain function inside nn.Sequential (nn.relu, ...)
         fn = module
-        return Stage(name, getattr(fn, "__name__", type(fn).__name__), lambda v, a, rngs: (fn(a), {}))
+        return Stage(
+            name, getattr(fn, "__name__", type(fn).__name__), lambda v, a, rngs: (fn(a), {}), key=_function_key(fn)
+        )
 
     def apply(variables: Variables, a: Any, rngs: dict[str, jax.Array] | None) -> tuple[Any, Variables]:
         if mutable:
@@ -46,7 +56,9 @@ def _linen_stage(name: str, module: Any, mutable: Sequence[str], rng_streams: Se
         rngs = {"params": rng, **{s: jax.random.fold_in(rng, k + 1) for k, s in enumerate(rng_streams)}}
         return dict(module.init(rngs, a))
 
-    return Stage(name, type(module).__name__, apply, init, tuple(mutable), tuple(rng_streams))
+    return Stage(
+        name, type(module).__name__, apply, init, tuple(mutable), tuple(rng_streams), key=f"linen:{module!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -79,8 +91,14 @@ class Chain:
             if not (isinstance(pair, tuple) and len(pair) == 2 and callable(pair[0])):
                 raise ValueError(f"Chain.from_functions: item {i} must be a (function, params) pair, got {pair!r}")
             f = pair[0]
-            stages.append(Stage(f"{i}:{getattr(f, '__name__', 'stage')}", getattr(f, "__name__", "function"),
-                                lambda v, a, rngs, f=f: (f(v["params"], a), {})))
+            stages.append(
+                Stage(
+                    f"{i}:{getattr(f, '__name__', 'stage')}",
+                    getattr(f, "__name__", "function"),
+                    lambda v, a, rngs, f=f: (f(v["params"], a), {}),
+                    key=_function_key(f),
+                )
+            )
         return cls(tuple(stages))
 
     @staticmethod
@@ -144,7 +162,7 @@ class Chain:
         for i, st in enumerate(self.stages):
             v = st.init(jax.random.fold_in(rng, i), a) if st.init is not None else {}
             per_stage.append(v)
-            a = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, None)[0], v, a)
+            a = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, _any_rngs(st))[0], v, a)
             a = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), a)
         return self.merge(per_stage)
 
@@ -161,7 +179,7 @@ class Chain:
         check_leaves(out[0], "the chain's input")
         for i, (st, v) in enumerate(zip(self.stages, self.split(variables))):
             try:
-                nxt = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, None)[0], v, out[-1])
+                nxt = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, _any_rngs(st))[0], v, out[-1])
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
                 if "not a valid JAX type" in str(e):
                     raise ValueError(
@@ -177,6 +195,11 @@ class Chain:
             check_leaves(nxt, f"the output of stage {i} ({st.name})")
             out.append(nxt)
         return out
+
+
+def _any_rngs(st: Stage) -> dict[str, jax.Array] | None:
+    """Keys for shape evaluation only (the values do not matter)."""
+    return {s: jax.random.key(0) for s in st.rng_streams} or None
 
 
 def stage_rngs(rngs: dict[str, jax.Array] | None, i: int) -> dict[str, jax.Array] | None:

@@ -50,3 +50,12 @@ def random_chain(rng: np.random.Generator, L: int) -> jr.ChainCosts:
         fwd_tmp=rng.integers(0, 30, L),
         bwd_tmp=rng.integers(0, 30, L),
     )
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """Every test gets its own profile cache folder."""
+    monkeypatch.setenv("JAXREMAT_CACHE_DIR", str(tmp_path / "jaxremat-cache"))

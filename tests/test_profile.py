@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxremat.chain import Chain, tree_bytes
-from jaxremat.profile import Rates, profile, profile_stages
+from jaxremat.profiler import Rates, profile, profile_stages, report
 
 RATES = Rates(flops=1e10, bandwidth=1e10)  # fixed, so "xla" times are deterministic
 
@@ -87,3 +87,71 @@ def test_profiling_does_not_touch_the_callers_variables():
     before = jax.tree.map(np.array, v)
     profile(chain, v, x, method="measure", repeats=1)
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.array, v))
+
+
+def _count_profiles(monkeypatch):
+    import jaxremat.profiler as prof
+
+    calls = []
+    real = prof.profile_stage
+
+    def counting(*a, **k):
+        calls.append(a[0].name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(prof, "profile_stage", counting)
+    return calls
+
+
+def test_identical_stages_once_and_disk_cache(monkeypatch, tmp_path):
+    calls = _count_profiles(monkeypatch)
+    chain = Chain.from_linen([Block(64), Block(64), Block(64), Block(32)])
+    x = jnp.ones((16, 64))
+    v = chain.init(jax.random.key(0), x)
+    first = profile(chain, v, x, method="xla", rates=RATES)
+    assert len(calls) == 2  # three identical blocks measured once, plus the narrower one
+    second = profile(chain, v, x, method="xla", rates=RATES)
+    assert len(calls) == 2 and second == first  # served from disk
+    profile(chain, v, x, method="xla", rates=RATES, cache=False)
+    assert len(calls) == 4  # no disk cache (identical stages still measured once)
+    profile(chain, v, jnp.ones((8, 64)), method="xla", rates=RATES)
+    assert len(calls) == 6  # another input shape is another entry
+
+
+def test_corrupt_cache_entry_is_ignored_with_a_warning(monkeypatch):
+    from jaxremat import cache
+
+    calls = _count_profiles(monkeypatch)
+    chain = Chain.from_linen([Block(16)])
+    x = jnp.ones((4, 16))
+    v = chain.init(jax.random.key(0), x)
+    profile(chain, v, x, method="xla", rates=RATES)
+    (entry,) = list(cache.cache_dir().glob("*.json"))
+    entry.write_text('{"format": "jaxremat-stage-profile-v1", "key": ')  # truncated
+    with pytest.warns(UserWarning, match="ignoring cache entry"):
+        profile(chain, v, x, method="xla", rates=RATES)
+    assert len(calls) == 2
+    entry.write_text('{"format": "something else"}')
+    with pytest.warns(UserWarning, match="ignoring cache entry"):
+        profile(chain, v, x, method="xla", rates=RATES)
+    assert not list(cache.cache_dir().glob(".tmp-*"))
+
+
+def test_dropout_and_batch_stats_stages_profile():
+    class Noisy(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(32)(x)
+            x = nn.BatchNorm(use_running_average=False)(x)
+            return nn.Dropout(0.5, deterministic=False)(x)
+
+    chain = Chain.from_linen([Noisy(), Noisy()], mutable=("batch_stats",), rng_streams=("dropout",))
+    x = jnp.ones((8, 32))
+    v = chain.init(jax.random.key(0), x)
+    assert "batch_stats" in v[0] and "params" in v[0]
+    before = jax.tree.map(np.array, v)
+    costs, stages = profile_stages(chain, v, x, method="xla", rates=RATES)
+    assert all(xb > 0 for xb in costs.xbar)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.array, v))
+    text = report(stages)
+    assert "Noisy" in text and "(8, 32)" in text and "KiB" in text

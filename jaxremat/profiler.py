@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxremat import cache as disk_cache
 from jaxremat.chain import Chain, Stage, tree_bytes
 from jaxremat.costs import ChainCosts
 from jaxremat.xla_memory import REMAT_OPTIONS, bytes_kept_across_barrier
@@ -117,6 +121,40 @@ def profile_stage(
     )
 
 
+def _signature(tree: Any) -> list:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return [(jax.tree_util.keystr(p), tuple(np.shape(x)), str(np.dtype(getattr(x, "dtype", np.float32)))) for p, x in leaves]
+
+
+@contextlib.contextmanager
+def _progress(total: int, quiet: bool):
+    """A rich progress bar on a terminal; nothing when quiet or when stderr is not a terminal."""
+    if quiet or not sys.stderr.isatty():
+        yield lambda: None
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("profiling stages", total=total)
+        yield lambda: bar.advance(task)
+
+
+def cached_rates(use_cache: bool | None = None) -> Rates:
+    """This device's rates, measured once and kept in the cache folder."""
+    key = disk_cache.make_key("rates", jax.default_backend(), jax.devices()[0].device_kind)
+    if disk_cache.enabled(use_cache):
+        entry = disk_cache.load(key)
+        if entry is not None:
+            try:
+                return Rates(**entry)
+            except TypeError:
+                pass
+    rates = measure_rates()
+    if disk_cache.enabled(use_cache):
+        disk_cache.store(key, dataclasses.asdict(rates))
+    return rates
+
+
 def measure_rates(size: int = 1024, repeats: int = 5) -> Rates:
     """This device's matmul flop/s and copy bytes/s (a short micro-benchmark)."""
     a = jnp.ones((size, size), jnp.float32)
@@ -136,6 +174,8 @@ def profile_stages(
     method: str = "measure",
     rates: Rates | None = None,
     repeats: int = 5,
+    cache: bool | None = None,
+    quiet: bool = False,
 ) -> tuple[ChainCosts, list[StageProfile]]:
     """Profile every stage of ``chain`` on inputs shaped like ``sample``.
 
@@ -146,18 +186,44 @@ def profile_stages(
     the compiled flops and bytes against device rates (``"xla"``, deterministic given
     ``rates``; measured once by :func:`measure_rates` when not given).
 
+    Identical stages (same structure, variable shapes and input shapes) are measured once.
+    Results are cached on disk (:mod:`jaxremat.cache`) unless ``cache=False`` or
+    ``JAXREMAT_CACHE=0``; a progress bar shows on a terminal unless ``quiet``. Profiling uses its
+    own RNG key and never changes ``variables``.
+
     Returns the costs and the per-stage measurements (flops and bytes accessed included).
     """
     if method not in ("measure", "xla"):
         raise ValueError(f"method must be 'measure' or 'xla', got {method!r}")
     if method == "xla" and rates is None:
-        rates = measure_rates()
+        rates = cached_rates(use_cache=cache)
     shapes = chain.shapes(variables, sample)
     per_stage = chain.split(variables)
-    stages = [
-        profile_stage(st, v, shapes[i], method=method, rates=rates, repeats=repeats)
-        for i, (st, v) in enumerate(zip(chain.stages, per_stage))
-    ]
+    use_disk = disk_cache.enabled(cache)
+    seen: dict[str, StageProfile] = {}  # identical stages are measured once
+    stages: list[StageProfile] = []
+    with _progress(len(chain), quiet) as advance:
+        for i, (st, v) in enumerate(zip(chain.stages, per_stage)):
+            key = disk_cache.make_key(
+                st.key or st.name, _signature(v), _signature(shapes[i]), method,
+                None if rates is None else dataclasses.asdict(rates), repeats if method == "measure" else 0,
+                jax.default_backend(), jax.__version__,
+            )
+            prof = seen.get(key)
+            if prof is None and use_disk and st.key:
+                entry = disk_cache.load(key)
+                if entry is not None:
+                    try:
+                        prof = StageProfile(**entry)
+                    except TypeError:
+                        prof = None
+            if prof is None:
+                prof = profile_stage(st, v, shapes[i], method=method, rates=rates, repeats=repeats)
+                if use_disk and st.key:
+                    disk_cache.store(key, dataclasses.asdict(prof))
+            seen[key] = prof
+            stages.append(dataclasses.replace(prof, name=st.name, kind=st.kind))
+            advance()
     costs = ChainCosts(
         x=[tree_bytes(s) for s in shapes],
         xbar=[p.xbar for p in stages],
@@ -178,6 +244,27 @@ def profile(
     method: str = "measure",
     rates: Rates | None = None,
     repeats: int = 5,
+    cache: bool | None = None,
+    quiet: bool = False,
 ) -> ChainCosts:
     """The :class:`~jaxremat.ChainCosts` of ``chain`` (see :func:`profile_stages`)."""
-    return profile_stages(chain, variables, sample, method=method, rates=rates, repeats=repeats)[0]
+    return profile_stages(
+        chain, variables, sample, method=method, rates=rates, repeats=repeats, cache=cache, quiet=quiet
+    )[0]
+
+
+def report(stages: list[StageProfile]) -> str:
+    """A table of the profile: per stage name, module type, output shape, sizes, temps and times."""
+    from jaxremat.units import format_bytes
+
+    head = ("stage", "type", "output", "x", "xbar", "fwd_tmp", "bwd_tmp", "fwd ms", "bwd ms")
+    rows = [
+        (
+            p.name, p.kind, p.out_shape, format_bytes(p.x_out), format_bytes(p.xbar), format_bytes(p.fwd_tmp),
+            format_bytes(p.bwd_tmp), f"{1e3 * p.fwd_time:.3f}", f"{1e3 * p.bwd_time:.3f}",
+        )
+        for p in stages
+    ]
+    widths = [max(len(str(r[k])) for r in [head, *rows]) for k in range(len(head))]
+    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows])
