@@ -236,21 +236,10 @@ def profile_stages(
     return costs, stages
 
 
-def profile(
-    chain: Chain,
-    variables: Any,
-    sample: Any,
-    *,
-    method: str = "measure",
-    rates: Rates | None = None,
-    repeats: int = 5,
-    cache: bool | None = None,
-    quiet: bool = False,
-) -> ChainCosts:
-    """The :class:`~jaxremat.ChainCosts` of ``chain`` (see :func:`profile_stages`)."""
-    return profile_stages(
-        chain, variables, sample, method=method, rates=rates, repeats=repeats, cache=cache, quiet=quiet
-    )[0]
+def profile(chain: Chain, variables: Any, sample: Any, **options: Any) -> ChainCosts:
+    """The :class:`~jaxremat.ChainCosts` of ``chain``; ``options`` as for :func:`profile_stages`
+    (``method``, ``rates``, ``repeats``, ``cache``, ``quiet``)."""
+    return profile_stages(chain, variables, sample, **options)[0]
 
 
 def report(stages: list[StageProfile]) -> str:
