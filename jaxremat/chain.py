@@ -61,6 +61,26 @@ def _linen_stage(name: str, module: Any, mutable: Sequence[str], rng_streams: Se
     )
 
 
+def _nnx_stage(name: str, module: Any) -> Stage:
+    from flax import nnx
+
+    if not isinstance(module, nnx.Module):  # a plain function inside nnx.Sequential (nnx.relu, ...)
+        return _linen_stage(name, module, (), ())
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def apply(variables: Variables, a: Any, rngs: dict[str, jax.Array] | None) -> tuple[Any, Variables]:
+        # fresh Variable objects at the current trace level, so the module may update them here
+        params_now, rest_now = jax.tree.map(lambda v: v, (variables["params"], variables["rest"]))
+        m = nnx.merge(graphdef, params_now, rest_now)
+        out = m(a)
+        return out, {"rest": nnx.split(m, nnx.Param, ...)[2]}
+
+    def init(rng: jax.Array, a: Any) -> Variables:
+        return {"params": params, "rest": rest}
+
+    return Stage(name, type(module).__name__, apply, init, ("rest",), (), key=f"nnx:{graphdef!r}")
+
+
 @dataclass(frozen=True)
 class Chain:
     """An ordered list of :class:`Stage`; the output of stage ``i`` is the input of ``i + 1``.
@@ -132,6 +152,25 @@ class Chain:
             for i, m in enumerate(layers)
         )
         return cls(stages, sequential=sequential)
+
+    @classmethod
+    def from_nnx(cls, modules: Any) -> "Chain":
+        """Stages from a list of Flax NNX modules or an ``nnx.Sequential``.
+
+        ``chain.init(...)`` returns the modules' current state per stage, as
+        ``{"params": <nnx.Param state>, "rest": <every other state>}``; stages return their
+        updated ``rest`` (batch statistics, RNG counters) like mutable linen collections.
+        """
+        from flax import nnx
+
+        layers = list(modules.layers) if isinstance(modules, nnx.Sequential) else (
+            list(modules) if isinstance(modules, (list, tuple)) else None
+        )
+        if layers is None:
+            raise ValueError(f"Chain.from_nnx expects a list of NNX modules or an nnx.Sequential, got {type(modules).__name__}")
+        if not layers:
+            raise ValueError("Chain.from_nnx: the model has no layers; a chain needs at least one stage")
+        return cls(tuple(_nnx_stage(f"{i}:{type(m).__name__}", m) for i, m in enumerate(layers)))
 
     # -- variables -----------------------------------------------------------------------------
 

@@ -155,3 +155,19 @@ def test_dropout_and_batch_stats_stages_profile():
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.array, v))
     text = report(stages)
     assert "Noisy" in text and "(8, 32)" in text and "KiB" in text
+
+
+def test_nnx_chain_matches_the_module_and_profiles():
+    from flax import nnx
+
+    seq = nnx.Sequential(
+        nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.BatchNorm(32, rngs=nnx.Rngs(1)), nnx.Linear(32, 8, rngs=nnx.Rngs(2))
+    )
+    chain = Chain.from_nnx(seq)
+    x = jnp.ones((4, 16))
+    v = chain.init(jax.random.key(0), x)
+    np.testing.assert_allclose(chain.apply(v, x), seq(x), rtol=1e-5, atol=1e-6)
+    costs = profile(chain, v, x, method="xla", rates=RATES)
+    assert list(costs.x) == [4 * 16 * 4, 4 * 32 * 4, 4 * 32 * 4, 4 * 32 * 4, 4 * 8 * 4]
+    with pytest.raises(ValueError, match="list of NNX modules or an nnx.Sequential"):
+        Chain.from_nnx(seq.layers[0])
