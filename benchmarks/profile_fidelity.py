@@ -33,6 +33,47 @@ class Block(nn.Module):
         return nn.gelu(nn.Dense(self.width)(x))
 
 
+class ConvBlock(nn.Module):
+    features: int
+    stride: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(self.features, (3, 3), strides=(self.stride, self.stride))(x)
+        return nn.relu(x)
+
+
+class Head(nn.Module):
+    classes: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
+
+
+class TransformerBlock(nn.Module):
+    heads: int
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h)
+        x = x + h
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(4 * self.width)(h)
+        h = nn.Dense(self.width)(nn.gelu(h))
+        return x + h
+
+
+def models():
+    yield "MLP 8 x Dense(512)+gelu, batch 2048", Chain.from_linen([Block(512) for _ in range(8)]), jnp.ones((2048, 512))
+    cnn = [ConvBlock(32, 1), ConvBlock(32, 1), ConvBlock(64, 2), ConvBlock(64, 1), ConvBlock(128, 2), ConvBlock(128, 1), Head(10)]
+    yield "CNN 6 conv (2 downsampling) + head, 32 x 64x64x3", Chain.from_linen(cnn), jnp.ones((32, 64, 64, 3))
+    tf = [TransformerBlock(4, 256) for _ in range(4)]
+    yield "Transformer 4 blocks, width 256, 8 x 256 tokens", Chain.from_linen(tf), jnp.ones((8, 256, 256))
+
+
 def step_temp(chain: Chain, variables, x, remat: bool) -> int:
     per = chain.split(variables)
 
@@ -52,11 +93,9 @@ def step_temp(chain: Chain, variables, x, remat: bool) -> int:
 
 def main() -> None:
     rows = []
-    for label, chain, x in [
-        ("MLP 8 x Dense(512)+gelu, batch 2048", Chain.from_linen([Block(512) for _ in range(8)]), jnp.ones((2048, 512))),
-    ]:
+    for label, chain, x in models():
         v = chain.init(jax.random.key(0), x)
-        costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10))
+        costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False)
         for remat, alg in ((False, "store_all"), (True, "every_stage")):
             temp = step_temp(chain, v, x, remat)
             peak, _ = jr.simulate(costs, baselines.FIXED[alg](costs.length))

@@ -66,8 +66,40 @@ def buffer_sizes(folder: str) -> dict[str, int]:
     return sizes
 
 
+_OPERANDS = re.compile(r"\s[a-z][\w\-]*\((%[^)]*)\)")
+
+
+def _values(folder: str) -> dict[str, tuple[list[str], list[str], bool]]:
+    """Per value (by instruction name): its operands, the instructions that use it, and
+    whether it is an entry parameter or a constant."""
+    out: dict[str, tuple[list[str], list[str], bool]] = {}
+    name, uses, mode = None, [], None
+    for line in _read(folder, "buffer-assignment-values").splitlines():
+        if line.startswith("<"):
+            name, uses, mode = line.split()[1], [], None
+        elif line.strip() == "uses:":
+            mode = "uses"
+        elif line.strip() == "positions:":
+            mode = "positions"
+        elif line.startswith(" from instruction:") and name is not None:
+            text = line.split("=", 1)[1] if "=" in line else ""
+            m = _OPERANDS.search(text)
+            operands = re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
+            leaf = " parameter(" in text or " constant(" in text
+            out[name] = (operands, uses, leaf)
+            mode = None
+        elif mode == "uses" and line.strip() and line.strip() != "(none)":
+            uses.append(line.strip().split(",")[0])
+    return out
+
+
 def live_across_barrier(folder: str) -> int:
-    """Bytes of the buffers (not parameters) whose live range spans every optimisation barrier."""
+    """Bytes of the buffers (not parameters) whose live range spans every optimisation barrier.
+
+    A buffer computed from entry parameters alone and used only after the barrier (say a
+    transposed copy of the stage input for its weight gradient) is left out: nothing ties it
+    to the forward, and in a whole training step XLA schedules it inside the backward.
+    """
     text = _read(folder, "live-range")
     seq: list[str] = []
     ranges: dict[str, tuple[int, int]] = {}
@@ -90,8 +122,25 @@ def live_across_barrier(folder: str) -> int:
     if not barriers:
         raise RuntimeError("no optimization barrier survived compilation; was cse_barrier_expander disabled?")
     first, last = min(barriers), max(barriers)
+    position = {name: i for i, name in enumerate(seq)}
+    values = _values(folder)
+    leaves = {n for n, (_, _, leaf) in values.items() if leaf}
+
+    def movable(key: str) -> bool:
+        operands, uses, leaf = values.get(key.split("{")[0], ([], [], False))
+        return (
+            not leaf
+            and bool(operands)
+            and all(o in leaves for o in operands)
+            and all(position.get(u, -1) > last for u in uses)
+        )
+
     sizes = buffer_sizes(folder)
-    return sum(size for name, size in sizes.items() if name in ranges and ranges[name][0] < first and ranges[name][1] > last)
+    return sum(
+        size
+        for name, size in sizes.items()
+        if name in ranges and ranges[name][0] < first and ranges[name][1] > last and not movable(name)
+    )
 
 
 def bytes_kept_across_barrier(fn: Callable, *args: Any, options: dict | None = None) -> tuple[Any, int]:
