@@ -66,12 +66,26 @@ class TransformerBlock(nn.Module):
         return x + h
 
 
-def models():
-    yield "MLP 8 x Dense(512)+gelu, batch 2048", Chain.from_linen([Block(512) for _ in range(8)]), jnp.ones((2048, 512))
+def models(scale: int = 1):
+    """The three test chains; ``scale`` divides batch sizes (tests use smaller ones)."""
+    b = lambda n: max(1, n // scale)  # noqa: E731
+    yield "MLP 8 x Dense(512)+gelu", Chain.from_linen([Block(512) for _ in range(8)]), jnp.ones((b(2048), 512))
     cnn = [ConvBlock(32, 1), ConvBlock(32, 1), ConvBlock(64, 2), ConvBlock(64, 1), ConvBlock(128, 2), ConvBlock(128, 1), Head(10)]
-    yield "CNN 6 conv (2 downsampling) + head, 32 x 64x64x3", Chain.from_linen(cnn), jnp.ones((32, 64, 64, 3))
+    yield "CNN 6 conv (2 downsampling) + head", Chain.from_linen(cnn), jnp.ones((b(32), 64, 64, 3))
     tf = [TransformerBlock(4, 256) for _ in range(4)]
-    yield "Transformer 4 blocks, width 256, 8 x 256 tokens", Chain.from_linen(tf), jnp.ones((8, 256, 256))
+    yield "Transformer 4 blocks, width 256, 256 tokens", Chain.from_linen(tf), jnp.ones((b(8), 256, 256))
+
+
+def ratios(label: str, chain: Chain, x) -> list[tuple[str, str, int, int]]:
+    """(label, schedule, XLA temp, predicted) for store_all and every_stage."""
+    v = chain.init(jax.random.key(0), x)
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    rows = []
+    for remat, alg in ((False, "store_all"), (True, "every_stage")):
+        temp = step_temp(chain, v, x, remat)
+        peak, _ = jr.simulate(costs, baselines.FIXED[alg](costs.length))
+        rows.append((label, alg, temp, peak - int(costs.x[0])))
+    return rows
 
 
 def step_temp(chain: Chain, variables, x, remat: bool) -> int:
@@ -94,14 +108,10 @@ def step_temp(chain: Chain, variables, x, remat: bool) -> int:
 def main() -> None:
     rows = []
     for label, chain, x in models():
-        v = chain.init(jax.random.key(0), x)
-        costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False)
-        for remat, alg in ((False, "store_all"), (True, "every_stage")):
-            temp = step_temp(chain, v, x, remat)
-            peak, _ = jr.simulate(costs, baselines.FIXED[alg](costs.length))
-            pred = peak - int(costs.x[0])
-            rows.append((label, alg, temp, pred))
-            print(label, alg, temp, pred, round(temp / pred, 3), flush=True)
+        label += f", input {tuple(x.shape)}"
+        for row in ratios(label, chain, x):
+            rows.append(row)
+            print(*row, round(row[2] / row[3], 3), flush=True)
     lines = [
         "# Profiled cost model against XLA (work in progress, issue 3)",
         "",

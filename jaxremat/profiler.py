@@ -17,7 +17,7 @@ from jax import lax
 from jaxremat import cache as disk_cache
 from jaxremat.chain import Chain, Stage, tree_bytes
 from jaxremat.costs import ChainCosts
-from jaxremat.xla_memory import REMAT_OPTIONS, bytes_kept_across_barrier
+from jaxremat.xla_memory import REMAT_OPTIONS, bytes_kept_across_barrier, transient_bytes
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def profile_stage(
 
     fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(REMAT_OPTIONS)
     vjp_shape = jax.eval_shape(lambda p, x, r, k: jax.vjp(lambda p, x: g(p, x, r, k), p, x)[1], params, a_shape, rest, rng)
-    bwd_c = jax.jit(lambda f, c: f(c)).lower(vjp_shape, cot_shape).compile(REMAT_OPTIONS)
+    bwd_c, bwd_tmp = transient_bytes(lambda f, c: f(c), vjp_shape, cot_shape)
     ff, fb = _cost(fwd_c)
     bf, bb = _cost(bwd_c)
     if method == "xla":
@@ -116,7 +116,7 @@ def profile_stage(
     return StageProfile(
         name=st.name, kind=st.kind, out_shape=shape_txt, x_out=tree_bytes(out_shape), xbar=int(xbar),
         fwd_tmp=int(fwd_c.memory_analysis().temp_size_in_bytes),
-        bwd_tmp=int(bwd_c.memory_analysis().temp_size_in_bytes),
+        bwd_tmp=int(bwd_tmp),
         fwd_flops=ff, bwd_flops=bf, fwd_bytes=fb, bwd_bytes=bb, fwd_time=ft, bwd_time=bt,
     )
 

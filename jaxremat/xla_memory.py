@@ -45,25 +45,79 @@ def _read(folder: str, suffix: str) -> str:
         return f.read()
 
 
-def buffer_sizes(folder: str) -> dict[str, int]:
-    """Size of every non-parameter, non-constant, non-tuple buffer value, by live-range name."""
+def buffer_sizes(folder: str, kinds: tuple[str, ...] = ("temp", "output")) -> dict[str, int]:
+    """Size of every non-tuple buffer value of the given allocation kinds, by live-range name.
+
+    Kinds: ``"parameter"``, ``"constant"``, ``"output"`` (may live out) and ``"temp"`` (the rest).
+    """
     sizes: dict[str, int] = {}
-    skip = False
+    kind = "temp"
     for line in _read(folder, "buffer-assignment").splitlines():
         alloc = _ALLOC.match(line)
         if alloc:
             flags = alloc.group(1)
-            skip = "parameter" in flags or "constant" in flags
+            kind = (
+                "parameter" if "parameter" in flags else "constant" if "constant" in flags
+                else "output" if "live-out" in flags or "output" in flags else "temp"
+            )
             continue
         if line.startswith("BufferAssignment stats") or line.startswith("Total bytes"):
             break
         value = _VALUE.match(line)
-        if value and not skip:
+        if value and kind in kinds:
             name, size, shape = value.group(1), int(value.group(2)), value.group(3)
             if shape.startswith("("):
                 continue  # a tuple's index table, not data
             sizes[name if "{" in name else name + "{}"] = size
     return sizes
+
+
+def _live_ranges(folder: str) -> tuple[list[str], dict[str, tuple[int, int]]]:
+    """The scheduled instruction sequence and every value's live range over it."""
+    seq: list[str] = []
+    ranges: dict[str, tuple[int, int]] = {}
+    section = None
+    for line in _read(folder, "live-range").splitlines():
+        stripped = line.strip()
+        if stripped.startswith("InstructionSequence"):
+            section = "seq"
+            continue
+        if stripped.startswith("BufferLiveRange"):
+            section = "range"
+            continue
+        if stripped.startswith("Live ranges at"):
+            break
+        if section == "seq" and (m := _SEQ.match(line)):
+            seq.append(m.group(2))
+        elif section == "range" and (m := _RANGE.match(line)):
+            ranges[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    return seq, ranges
+
+
+def transient_beyond_inputs(folder: str) -> int:
+    """Peak bytes of a program's temporaries beyond its inputs, crediting inputs freed early.
+
+    Inputs count until their last use (in a training step their buffers are reusable after
+    that), outputs not at all; the result is that peak minus the total size of the inputs,
+    floored at zero: the ``bwd_tmp`` of ``COST_MODEL.md`` for a backward compiled alone.
+    """
+    seq, ranges = _live_ranges(folder)
+    position = {name: i for i, name in enumerate(seq)}
+    values = _values(folder)
+    params = buffer_sizes(folder, ("parameter",))
+    temps = buffer_sizes(folder, ("temp",))
+    live = [0] * (len(seq) + 1)
+    for name, size in params.items():
+        uses = values.get(name.split("{")[0], ([], [], True))[1]
+        last = max((position.get(u, 0) for u in uses), default=-1)
+        for t in range(0, last + 1):
+            live[t] += size
+    for name, size in temps.items():
+        if name in ranges:
+            lo, hi = ranges[name]
+            for t in range(lo, min(hi, len(seq)) + 1):
+                live[t] += size
+    return max(0, max(live) - sum(params.values()))
 
 
 _OPERANDS = re.compile(r"\s[a-z][\w\-]*\((%[^)]*)\)")
@@ -100,24 +154,7 @@ def live_across_barrier(folder: str) -> int:
     transposed copy of the stage input for its weight gradient) is left out: nothing ties it
     to the forward, and in a whole training step XLA schedules it inside the backward.
     """
-    text = _read(folder, "live-range")
-    seq: list[str] = []
-    ranges: dict[str, tuple[int, int]] = {}
-    section = None
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("InstructionSequence"):
-            section = "seq"
-            continue
-        if stripped.startswith("BufferLiveRange"):
-            section = "range"
-            continue
-        if stripped.startswith("Live ranges at"):
-            break
-        if section == "seq" and (m := _SEQ.match(line)):
-            seq.append(m.group(2))
-        elif section == "range" and (m := _RANGE.match(line)):
-            ranges[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    seq, ranges = _live_ranges(folder)
     barriers = [i for i, name in enumerate(seq) if name.startswith("optimization_barrier") or name.startswith("opt-barrier")]
     if not barriers:
         raise RuntimeError("no optimization barrier survived compilation; was cse_barrier_expander disabled?")
@@ -149,5 +186,14 @@ def bytes_kept_across_barrier(fn: Callable, *args: Any, options: dict | None = N
     compiled, folder = compile_with_dump(fn, *args, options=options)
     try:
         return compiled, live_across_barrier(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def transient_bytes(fn: Callable, *args: Any, options: dict | None = None) -> tuple[Any, int]:
+    """Compile ``fn`` and return (compiled, :func:`transient_beyond_inputs` of it)."""
+    compiled, folder = compile_with_dump(fn, *args, options=options)
+    try:
+        return compiled, transient_beyond_inputs(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
