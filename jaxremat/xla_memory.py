@@ -94,6 +94,26 @@ def _live_ranges(folder: str) -> tuple[list[str], dict[str, tuple[int, int]]]:
     return seq, ranges
 
 
+def _peak(seq: list[str], ranges: dict[str, tuple[int, int]], sizes: dict[str, int], live: list[int] | None = None) -> list[int]:
+    live = live if live is not None else [0] * (len(seq) + 1)
+    for name, size in sizes.items():
+        if name in ranges:
+            lo, hi = ranges[name]
+            for t in range(lo, min(hi, len(seq)) + 1):
+                live[t] += size
+    return live
+
+
+def live_peak(folder: str) -> int:
+    """Peak bytes of the non-parameter buffers (temporaries and outputs) live at once.
+
+    Unlike ``temp_size_in_bytes`` this sees activations that XLA places in an output buffer
+    (a gradient) before the output is written.
+    """
+    seq, ranges = _live_ranges(folder)
+    return max(_peak(seq, ranges, buffer_sizes(folder, ("temp", "output"))))
+
+
 def transient_beyond_inputs(folder: str) -> int:
     """Peak bytes of a program's temporaries beyond its inputs, crediting inputs freed early.
 
@@ -105,18 +125,13 @@ def transient_beyond_inputs(folder: str) -> int:
     position = {name: i for i, name in enumerate(seq)}
     values = _values(folder)
     params = buffer_sizes(folder, ("parameter",))
-    temps = buffer_sizes(folder, ("temp",))
     live = [0] * (len(seq) + 1)
     for name, size in params.items():
         uses = values.get(name.split("{")[0], ([], [], True))[1]
         last = max((position.get(u, 0) for u in uses), default=-1)
         for t in range(0, last + 1):
             live[t] += size
-    for name, size in temps.items():
-        if name in ranges:
-            lo, hi = ranges[name]
-            for t in range(lo, min(hi, len(seq)) + 1):
-                live[t] += size
+    live = _peak(seq, ranges, buffer_sizes(folder, ("temp",)), live)
     return max(0, max(live) - sum(params.values()))
 
 
@@ -195,5 +210,14 @@ def transient_bytes(fn: Callable, *args: Any, options: dict | None = None) -> tu
     compiled, folder = compile_with_dump(fn, *args, options=options)
     try:
         return compiled, transient_beyond_inputs(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def step_memory(fn: Callable, *args: Any, options: dict | None = None) -> tuple[int, int]:
+    """``(temp_size_in_bytes, live_peak)`` of ``jax.jit(fn)(*args)`` compiled for real remat."""
+    compiled, folder = compile_with_dump(fn, *args, options=options)
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes), live_peak(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

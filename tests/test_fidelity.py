@@ -22,7 +22,7 @@ CASES = {label.split(" ")[0]: (label, chain, x) for label, chain, x in models(sc
     "model,schedules", [("CNN", ("store_all",)), ("Transformer", ("store_all", "every_stage"))]
 )
 def test_xla_temp_within_15_percent_of_prediction(model, schedules):
-    rows = {alg: (temp, pred) for _, alg, temp, pred in ratios(*CASES[model])}
+    rows = {row[1]: (row[2], row[3]) for row in ratios(*CASES[model])}
     for alg in schedules:
         temp, pred = rows[alg]
         assert 0.85 <= temp / pred <= 1.15, (model, alg, temp, pred)
