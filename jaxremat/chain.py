@@ -32,6 +32,14 @@ class Stage:
     key: str = ""  # the stage's structure (module config or function code), for caching
 
 
+def _label(m: Any) -> str:
+    """A module's name if it has one, else its type; a function's name."""
+    name = getattr(m, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    return getattr(m, "__name__", None) or type(m).__name__
+
+
 def _function_key(fn: Callable) -> str:
     code = getattr(fn, "__code__", None)
     body = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else repr(fn)
@@ -148,7 +156,7 @@ class Chain:
         if not layers:
             raise ValueError("Chain.from_linen: the model has no layers; a chain needs at least one stage")
         stages = tuple(
-            _linen_stage(f"{i}:{getattr(m, 'name', None) or type(m).__name__}", m, mutable, rng_streams)
+            _linen_stage(f"{i}:{_label(m)}", m, mutable, rng_streams)
             for i, m in enumerate(layers)
         )
         return cls(stages, sequential=sequential)
@@ -170,7 +178,7 @@ class Chain:
             raise ValueError(f"Chain.from_nnx expects a list of NNX modules or an nnx.Sequential, got {type(modules).__name__}")
         if not layers:
             raise ValueError("Chain.from_nnx: the model has no layers; a chain needs at least one stage")
-        return cls(tuple(_nnx_stage(f"{i}:{type(m).__name__}", m) for i, m in enumerate(layers)))
+        return cls(tuple(_nnx_stage(f"{i}:{_label(m)}", m) for i, m in enumerate(layers)))
 
     # -- variables -----------------------------------------------------------------------------
 

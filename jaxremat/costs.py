@@ -13,6 +13,7 @@ from jaxremat.units import format_bytes
 _SIZE_FIELDS = ("x", "xbar", "fwd_tmp", "bwd_tmp")
 _TIME_FIELDS = ("fwd", "bwd")
 FIELDS = ("x", "xbar", "fwd", "bwd", "fwd_tmp", "bwd_tmp")
+OPTIONAL_FIELDS = ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes")  # from XLA's cost analysis
 
 
 def _as_array(name: str, values: Any, *, integral: bool) -> np.ndarray:
@@ -57,6 +58,8 @@ class ChainCosts:
       fwd, bwd: ``L`` forward and backward times (seconds, or any one unit).
       fwd_tmp, bwd_tmp: ``L`` transient bytes while the stage's forward / backward runs.
       names: optional ``L`` stage names for reports.
+      fwd_flops, bwd_flops, fwd_bytes, bwd_bytes: optional ``L`` flops and bytes accessed of each
+        stage's forward and backward (the profiler fills them from XLA's cost analysis).
 
     Arrays are stored as read-only numpy arrays (sizes as ``int64``, times as ``float64``).
     """
@@ -68,6 +71,10 @@ class ChainCosts:
     fwd_tmp: np.ndarray
     bwd_tmp: np.ndarray
     names: tuple[str, ...] | None = None
+    fwd_flops: np.ndarray | None = None
+    bwd_flops: np.ndarray | None = None
+    fwd_bytes: np.ndarray | None = None
+    bwd_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in FIELDS:
@@ -86,6 +93,13 @@ class ChainCosts:
                 raise ValueError(
                     f"ChainCosts.{name} has {len(getattr(self, name))} entries; expected L = {n} (one per stage)"
                 )
+        for name in OPTIONAL_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                arr = _as_array(name, value, integral=False)
+                if len(arr) != n:
+                    raise ValueError(f"ChainCosts.{name} has {len(arr)} entries; expected L = {n} (one per stage)")
+                object.__setattr__(self, name, arr)
         if self.names is not None:
             names = tuple(str(s) for s in self.names)
             if len(names) != n:
@@ -122,6 +136,7 @@ class ChainCosts:
         d: dict[str, Any] = {f: getattr(self, f).tolist() for f in FIELDS}
         if self.names is not None:
             d["names"] = list(self.names)
+        d.update({f: getattr(self, f).tolist() for f in OPTIONAL_FIELDS if getattr(self, f) is not None})
         return d
 
     @classmethod
@@ -129,7 +144,7 @@ class ChainCosts:
         missing = [f for f in FIELDS if f not in d]
         if missing:
             raise ValueError(f"ChainCosts.from_dict: missing field(s) {missing}")
-        return cls(**{f: d[f] for f in FIELDS}, names=d.get("names"))
+        return cls(**{f: d[f] for f in FIELDS}, names=d.get("names"), **{f: d.get(f) for f in OPTIONAL_FIELDS})
 
     @classmethod
     def uniform(
@@ -152,6 +167,30 @@ class ChainCosts:
             fwd_tmp=[fwd_tmp] * length,
             bwd_tmp=[bwd_tmp] * length,
         )
+
+    def table(self, time_unit: str = "ms") -> str:
+        """Per stage: name, output size, store-all size, temporaries, times (seconds shown in
+        ``time_unit``: "s", "ms" or "us") and, when known, forward and backward GFLOP."""
+        scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
+        head = ["stage", "x (out)", "xbar", "fwd_tmp", "bwd_tmp", f"fwd {time_unit}", f"bwd {time_unit}"]
+        flops = self.fwd_flops is not None and self.bwd_flops is not None
+        if flops:
+            head += ["fwd GFLOP", "bwd GFLOP"]
+        rows = [head]
+        for i in range(self.length):
+            row = [
+                self.stage_name(i), format_bytes(self.x[i + 1]), format_bytes(self.xbar[i]),
+                format_bytes(self.fwd_tmp[i]), format_bytes(self.bwd_tmp[i]),
+                f"{scale * self.fwd[i]:.4g}", f"{scale * self.bwd[i]:.4g}",
+            ]
+            if flops:
+                row += [f"{self.fwd_flops[i] / 1e9:.4g}", f"{self.bwd_flops[i] / 1e9:.4g}"]
+            rows.append(row)
+        widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.insert(0, f"input a_0: {format_bytes(self.x[0])}")
+        return "\n".join(lines)
 
     def stage_name(self, i: int) -> str:
         return self.names[i] if self.names is not None else f"stage {i}"

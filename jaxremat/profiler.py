@@ -139,8 +139,31 @@ def _progress(total: int, quiet: bool):
         yield lambda: bar.advance(task)
 
 
+# Vendor peaks for common GPUs, matched against ``device_kind``: dense TF32 tensor-core flop/s
+# (JAX's default precision for float32 matmuls there) and memory bandwidth in bytes/s.
+GPU_RATES = {
+    "H200": Rates(flops=494.7e12, bandwidth=4.8e12),
+    "H100": Rates(flops=494.7e12, bandwidth=3.35e12),
+    "A100": Rates(flops=156e12, bandwidth=2.0e12),
+    "L40S": Rates(flops=183e12, bandwidth=0.864e12),
+    "L4": Rates(flops=60e12, bandwidth=0.3e12),
+    "A10": Rates(flops=62.5e12, bandwidth=0.6e12),
+    "V100": Rates(flops=15.7e12, bandwidth=0.9e12),
+    "T4": Rates(flops=8.1e12, bandwidth=0.32e12),
+}
+
+
+def device_rates(use_cache: bool | None = None) -> Rates:
+    """Rates for the default device: the table above for a known GPU, else :func:`cached_rates`."""
+    kind = jax.devices()[0].device_kind
+    for name, rates in GPU_RATES.items():
+        if jax.default_backend() == "gpu" and name.lower() in kind.lower():
+            return rates
+    return cached_rates(use_cache)
+
+
 def cached_rates(use_cache: bool | None = None) -> Rates:
-    """This device's rates, measured once and kept in the cache folder."""
+    """This device's rates, measured once by a micro-benchmark and kept in the cache folder."""
     key = disk_cache.make_key("rates", jax.default_backend(), jax.devices()[0].device_kind)
     if disk_cache.enabled(use_cache):
         entry = disk_cache.load(key)
@@ -196,7 +219,7 @@ def profile_stages(
     if method not in ("measure", "xla"):
         raise ValueError(f"method must be 'measure' or 'xla', got {method!r}")
     if method == "xla" and rates is None:
-        rates = cached_rates(use_cache=cache)
+        rates = device_rates(use_cache=cache)
     shapes = chain.shapes(variables, sample)
     per_stage = chain.split(variables)
     use_disk = disk_cache.enabled(cache)
@@ -232,6 +255,10 @@ def profile_stages(
         fwd_tmp=[p.fwd_tmp for p in stages],
         bwd_tmp=[p.bwd_tmp for p in stages],
         names=[p.name for p in stages],
+        fwd_flops=[p.fwd_flops for p in stages],
+        bwd_flops=[p.bwd_flops for p in stages],
+        fwd_bytes=[p.fwd_bytes for p in stages],
+        bwd_bytes=[p.bwd_bytes for p in stages],
     )
     return costs, stages
 

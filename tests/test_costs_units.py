@@ -90,3 +90,15 @@ def test_format_bytes():
     assert jr.format_bytes(512) == "512 B"
     assert jr.format_bytes(1536) == "1.50 KiB"
     assert jr.format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+def test_optional_flops_round_trip_and_table():
+    c = jr.ChainCosts(**good(), names=["conv", "head"], fwd_flops=[2e9, 1e9], bwd_flops=[4e9, 2e9])
+    assert jr.ChainCosts.from_dict(c.to_dict()).fwd_flops.tolist() == [2e9, 1e9]
+    text = c.table()
+    assert "conv" in text and "GFLOP" in text and "input a_0: 4 B" in text
+    assert "2000" in jr.ChainCosts(**good()).table(time_unit="ms")  # 2.0 s backward shown in ms
+    with pytest.raises(ValueError, match="fwd_flops has 1 entries"):
+        jr.ChainCosts(**good(), fwd_flops=[1.0])
+    with pytest.raises(ValueError, match=r"bwd_bytes\[0\] is negative"):
+        jr.ChainCosts(**good(), bwd_bytes=[-1.0, 0.0])

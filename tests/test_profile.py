@@ -171,3 +171,18 @@ def test_nnx_chain_matches_the_module_and_profiles():
     assert list(costs.x) == [4 * 16 * 4, 4 * 32 * 4, 4 * 32 * 4, 4 * 32 * 4, 4 * 8 * 4]
     with pytest.raises(ValueError, match="list of NNX modules or an nnx.Sequential"):
         Chain.from_nnx(seq.layers[0])
+
+
+def test_xla_method_without_rates_measures_them_once(monkeypatch):
+    import jaxremat.profiler as prof
+
+    measured = []
+    monkeypatch.setattr(prof, "measure_rates", lambda: measured.append(1) or Rates(2e10, 1e10))
+    chain = Chain.from_linen([Block(16)])
+    x = jnp.ones((4, 16))
+    v = chain.init(jax.random.key(0), x)
+    a = profile(chain, v, x, method="xla")
+    b = profile(chain, v, x, method="xla")
+    assert measured == [1] and a == b  # the rates come from the cache the second time
+    with pytest.raises(ValueError, match="method must be 'measure' or 'xla'"):
+        profile(chain, v, x, method="guess")
