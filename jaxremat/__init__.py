@@ -7,6 +7,7 @@ and reports the predicted peak and time against the usual hand-written strategie
 
 from jaxremat.chain import Chain
 from jaxremat.costs import ChainCosts
+from jaxremat.execute import compiler_options, execute, jit
 from jaxremat.profiler import profile
 from jaxremat.schedule import InfeasibleBudget, Schedule, StageDecision
 from jaxremat.simulate import simulate
@@ -20,6 +21,9 @@ __all__ = [
     "Chain",
     "ChainCosts",
     "InfeasibleBudget",
+    "compiler_options",
+    "execute",
+    "jit",
     "Schedule",
     "StageDecision",
     "format_bytes",

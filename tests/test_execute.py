@@ -1,0 +1,126 @@
+"""Executing schedules: gradients identical to plain autodiff, RNG and batch stats handled once."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxremat as jr
+from jaxremat.chain import Chain
+from jaxremat.execute import Leaf, Region, Store, execute, parse
+from jaxremat.profiler import Rates, profile
+from jaxremat.solvers import baselines
+
+
+class Block(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.gelu(nn.Dense(self.width)(x))
+
+
+class Noisy(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=False)(x)
+        return nn.Dropout(0.3, deterministic=False)(nn.tanh(x))
+
+
+def test_parse_reads_every_solver_schedule_as_a_tree():
+    L = 6
+    assert isinstance(parse(baselines.store_all(L), L), Store)
+    tree = parse(baselines.every_stage(L), L)
+    assert isinstance(tree, Region) and (tree.start, tree.stop) == (0, 1)
+    assert isinstance(parse(baselines.recompute_all(L), L), Region)
+    parse(baselines.revolve(L, 2), L)
+    parse(baselines.sqrt_segments(L), L)
+    assert parse(baselines.store_all(1), 1) == Store(0, Leaf(1))
+    with pytest.raises(ValueError, match="not a persistent schedule"):
+        parse([("Fck", 0), ("Fall", 1), ("Loss", 2), ("B", 1), ("Fall", 0), ("B", 0), ("Fall", 0)], 2)
+
+
+def _grads(f, variables, x, rngs):
+    def loss(params):
+        v = [{**u, "params": p} for u, p in zip(variables, params)]
+        out, updates = f(v, x, rngs)
+        return jnp.mean(out**2), (out, updates)
+
+    params = [u["params"] for u in variables]
+    return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+def _plain(chain):
+    def f(variables, x, rngs):
+        from jaxremat.chain import stage_rngs
+
+        per, a, updates = chain.split(variables), x, {}
+        for i, st in enumerate(chain.stages):
+            a, new = st.apply(per[i], a, stage_rngs(rngs, i))
+            if new:
+                updates[i] = new
+        return a, updates
+
+    return f
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_gradients_dropout_and_batch_stats_match_plain_autodiff(share):
+    chain = Chain.from_linen([Noisy() for _ in range(6)], mutable=("batch_stats",), rng_streams=("dropout",))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    v = chain.init(jax.random.key(0), x)
+    rngs = {"dropout": jax.random.key(7)}
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    (ref_loss, (ref_out, ref_upd)), ref_g = jax.jit(lambda v, x: _grads(_plain(chain), v, x, rngs))(v, x)
+    lo, hi = jr.min_budget(costs), jr.store_all_peak(costs)
+    budget = int(lo + share * (hi - lo))
+    ran = []
+    for algorithm in jr.ALGORITHMS:
+        try:
+            sched = jr.solve(costs, budget, algorithm=algorithm)
+        except jr.InfeasibleBudget:
+            continue
+        ran.append(algorithm)
+        f = execute(chain, sched)
+        step = jr.jit(lambda v, x: _grads(f, v, x, rngs))
+        (loss, (out, upd)), g = step(v, x)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)  # same dropout masks
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, ref_g)
+        assert sorted(upd) == sorted(ref_upd)  # batch_stats updated once per stage
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), upd, ref_upd)
+    assert "optimal" in ran and len(ran) >= 2
+
+
+def test_integer_inputs_and_pytree_activations():
+    def embed(p, ids):
+        return (p[ids], (ids > 0).astype(jnp.float32))
+
+    def mix(p, hm):
+        h, mask = hm
+        return (jnp.tanh(h @ p) * mask[..., None], mask)
+
+    def pool(p, hm):
+        return hm[0].sum(axis=1) @ p
+
+    pairs = [(embed, jnp.ones((10, 8)) * 0.1), (mix, jnp.eye(8)), (mix, jnp.eye(8) * 0.5), (pool, jnp.ones((8, 2)))]
+    chain = Chain.from_functions(pairs)
+    v = Chain.function_variables(pairs)
+    ids = jnp.array([[1, 2, 0], [3, 4, 5]])
+    costs = profile(chain, v, ids, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    ref = jax.grad(lambda v: jnp.sum(_plain(chain)(v, ids, None)[0] ** 2))(v)
+    for algorithm in ("optimal", "every_stage", "recompute_all"):
+        f = execute(chain, jr.solve(costs, None if algorithm == "optimal" else "100%", algorithm=algorithm))
+        g = jr.jit(jax.grad(lambda v: jnp.sum(f(v, ids)[0] ** 2)))(v)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, ref)
+
+
+def test_schedule_for_another_chain_is_refused():
+    chain = Chain.from_linen([Block(4), Block(4)])
+    other = jr.solve(jr.ChainCosts.uniform(3, x=4, xbar=8), None)
+    with pytest.raises(ValueError, match="chain of 3 stages; this chain has 2"):
+        execute(chain, other)
