@@ -8,7 +8,9 @@ and reports the predicted peak and time against the usual hand-written strategie
 from jaxremat.chain import Chain
 from jaxremat.costs import ChainCosts
 from jaxremat.execute import compiler_options, execute, jit
+from jaxremat.plans import Plan, load_plan, plan
 from jaxremat.profiler import profile
+from jaxremat.remat_chain import RematChain, remat_chain
 from jaxremat.schedule import InfeasibleBudget, Schedule, StageDecision
 from jaxremat.simulate import simulate
 from jaxremat.solvers import ALGORITHMS, min_budget, pareto, solve, store_all_peak
@@ -21,6 +23,11 @@ __all__ = [
     "Chain",
     "ChainCosts",
     "InfeasibleBudget",
+    "Plan",
+    "RematChain",
+    "load_plan",
+    "plan",
+    "remat_chain",
     "compiler_options",
     "execute",
     "jit",

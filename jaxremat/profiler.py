@@ -47,6 +47,10 @@ class StageProfile:
     bwd_time: float
 
 
+def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype)
+
+
 def _split_params(v: dict) -> tuple[Any, dict]:
     return v.get("params", {}), {k: t for k, t in v.items() if k != "params"}
 
@@ -84,7 +88,7 @@ def profile_stage(
     st: Stage, variables: dict, a_shape: Any, *, method: str, rates: Rates | None, repeats: int = 5
 ) -> StageProfile:
     g = _stage_fn(st)
-    params, rest = _split_params(variables)
+    params, rest = _split_params(jax.tree.map(_abstract, variables))  # shapes only: works under a trace
     rng = jax.random.key(0)
     out_shape = jax.eval_shape(g, params, a_shape, rest, rng)
     cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), out_shape)
@@ -107,7 +111,7 @@ def profile_stage(
         bt = max(bf / rates.flops, bb / rates.bandwidth)
     else:
         concrete = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
-        a = jax.tree.map(concrete, a_shape)
+        a, params, rest = jax.tree.map(concrete, (a_shape, params, rest))
         cot = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), cot_shape)
         ft = _median_time(fwd_c, params, a, rest, rng, repeats=repeats)
         both = jax.jit(lambda p, x, r, k, c: jax.vjp(lambda p, x: g(p, x, r, k), p, x)[1](c))

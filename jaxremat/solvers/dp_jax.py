@@ -159,7 +159,8 @@ def table(c: SlotChain) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     args = prepare(c)
     arrays = [np.asarray(args[k]) for k in _ORDER]
     cpu = jax.devices("cpu")[0]
-    A = _compiled(_shapes(arrays))(*[jax.device_put(a, cpu) for a in arrays])
+    with jax.ensure_compile_time_eval():  # a solve may run while the caller's step is traced
+        A = _compiled(_shapes(arrays))(*[jax.device_put(a, cpu) for a in arrays])
     return np.asarray(A), args
 
 

@@ -1,0 +1,119 @@
+"""A plan: the costs, the schedule and what they were made for, saved and loaded as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxremat.chain import Chain
+from jaxremat.costs import ChainCosts
+from jaxremat.execute import execute
+from jaxremat.profiler import profile
+from jaxremat.schedule import Schedule
+from jaxremat.solvers import solve
+
+FORMAT = "jaxremat-plan"
+VERSION = 1
+
+
+def signature(chain: Chain, variables: Any, sample: Any) -> str:
+    """What a plan depends on: stage structure, variable shapes and dtypes, input shape and dtype."""
+    leaves = lambda t: [(tuple(np.shape(x)), str(x.dtype)) for x in jax.tree.leaves(t)]  # noqa: E731
+    parts = [
+        [st.key or st.kind for st in chain.stages],
+        [leaves(v) for v in chain.split(variables)],
+        leaves(sample),
+    ]
+    return json.dumps(parts, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The schedule ``remat_chain`` runs, with the costs it was solved on."""
+
+    schedule: Schedule
+    signature: str
+
+    @property
+    def costs(self) -> ChainCosts:
+        return self.schedule.costs
+
+    @property
+    def predicted_peak(self) -> int:
+        """Predicted peak bytes of activations (``a_0`` included, parameters not)."""
+        return self.schedule.peak
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Predicted step time over the store-all time."""
+        return self.schedule.overhead
+
+    def report(self) -> str:
+        return self.schedule.summary()
+
+    def check(self, chain: Chain, variables: Any, sample: Any) -> None:
+        """``ValueError`` unless this plan was made for this chain, variables and input shape."""
+        if signature(chain, variables, sample) != self.signature:
+            raise ValueError(
+                "this plan was made for another model or input shape (stage structure, variable "
+                "shapes or input shape differ); make a new one with jaxremat.plan(...)"
+            )
+
+    def executor(self, chain: Chain, variables: Any, sample: Any) -> Callable[..., tuple[Any, Any]]:
+        """:func:`~jaxremat.execute` of this plan, after checking it fits the model."""
+        self.check(chain, variables, sample)
+        return execute(chain, self.schedule)
+
+    def to_json(self) -> dict:
+        s = self.schedule
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "signature": self.signature,
+            "costs": s.costs.to_dict(),
+            "budget": s.budget,
+            "algorithm": s.algorithm,
+            "ops": [list(op) for op in s.ops],
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json()))
+
+
+def load_plan(path: str | Path) -> Plan:
+    """A plan saved with :meth:`Plan.save`; its ops are replayed to check them."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read a jaxremat plan from {path}: {e}") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a jaxremat plan")
+    if d.get("version") != VERSION:
+        raise ValueError(f"{path} is a version {d.get('version')} plan; this jaxremat reads version {VERSION}")
+    costs = ChainCosts.from_dict(d["costs"])
+    schedule = Schedule.from_ops(costs, [tuple(op) for op in d["ops"]], budget=d["budget"], algorithm=d["algorithm"])
+    return Plan(schedule, d["signature"])
+
+
+def plan(
+    chain: Chain,
+    variables: Any,
+    sample: Any,
+    budget: Any,
+    *,
+    algorithm: str = "optimal",
+    method: str = "measure",
+    slots: int = 500,
+    costs: ChainCosts | None = None,
+    **profile_options: Any,
+) -> Plan:
+    """Profile ``chain`` (unless ``costs`` are given) and solve for ``budget``."""
+    if costs is None:
+        costs = profile(chain, variables, sample, method=method, **profile_options)
+    return Plan(solve(costs, budget, algorithm=algorithm, slots=slots), signature(chain, variables, sample))
+
