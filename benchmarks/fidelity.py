@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxremat as jr
-from jaxremat.execute import execute
+from jaxremat.executor import execute
 from jaxremat.profiler import Rates, profile
 from jaxremat.simulate import FORWARD_KINDS
 from jaxremat.xla_memory import step_memory

@@ -7,7 +7,7 @@ and reports the predicted peak and time against the usual hand-written strategie
 
 from jaxremat.chain import Chain
 from jaxremat.costs import ChainCosts
-from jaxremat.execute import compiler_options, execute, jit
+from jaxremat.executor import compiler_options, execute, jit
 from jaxremat.plans import Plan, load_plan, plan
 from jaxremat.profiler import profile
 from jaxremat.remat_chain import RematChain, remat_chain

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxremat.chain import Chain
 from jaxremat.costs import ChainCosts
-from jaxremat.execute import execute
+from jaxremat.executor import execute
 from jaxremat.profiler import profile
 from jaxremat.schedule import Schedule
 from jaxremat.solvers import solve

@@ -8,7 +8,7 @@ import jax
 
 from jaxremat.chain import Chain
 from jaxremat.costs import ChainCosts
-from jaxremat.execute import execute
+from jaxremat.executor import execute
 from jaxremat.plans import Plan, plan, signature
 from jaxremat.solvers import solve
 

@@ -10,7 +10,7 @@ import pytest
 
 import jaxremat as jr
 from jaxremat.chain import Chain
-from jaxremat.execute import Leaf, Region, Store, execute, parse
+from jaxremat.executor import Leaf, Region, Store, execute, parse
 from jaxremat.profiler import Rates, profile
 from jaxremat.solvers import baselines
 
@@ -124,3 +124,26 @@ def test_schedule_for_another_chain_is_refused():
     other = jr.solve(jr.ChainCosts.uniform(3, x=4, xbar=8), None)
     with pytest.raises(ValueError, match="chain of 3 stages; this chain has 2"):
         execute(chain, other)
+
+
+def test_cpu_without_the_compile_option_warns_once(monkeypatch):
+    import warnings
+
+    import jaxremat.executor as ex
+
+    monkeypatch.setattr(ex, "_warned", ex.contextvars.ContextVar("fresh", default=False))
+    chain = Chain.from_linen([Block(4), Block(4), Block(4)])
+    x = jnp.ones((2, 4))
+    v = chain.init(jax.random.key(0), x)
+    f = execute(chain, jr.solve(jr.ChainCosts.uniform(3, x=32, xbar=64), None, algorithm="every_stage"))
+    loss = lambda v: jnp.sum(f(v, x)[0])  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jr.jit(jax.grad(loss))(v)
+    assert not [w for w in caught if "undoes rematerialisation" in str(w.message)]
+    with pytest.warns(UserWarning, match="undoes rematerialisation"):
+        jax.jit(jax.grad(loss))(v)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(jax.grad(lambda v: jnp.sum(f(v, x * 2)[0])))(v)
+    assert not [w for w in caught if "undoes rematerialisation" in str(w.message)]  # once

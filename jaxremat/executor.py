@@ -16,6 +16,9 @@ barriers; on the CPU compile with :func:`compiler_options` so that XLA keeps the
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -115,6 +118,7 @@ def _run(node: Node, L: int, stop: int, apply_stage: Callable, a: Any, updates: 
             out = _run(inner, L, stop_r, apply_stage, a, local)
             return out, local
 
+        _check_compile_options()
         a, local = jax.checkpoint(body)(a)
         updates.update(local)
         node = region.rest
@@ -153,7 +157,33 @@ def compiler_options() -> dict[str, str]:
 
 
 
+# Set while jaxremat.jit traces a function: regions built then will be compiled with the options.
+_UNDER_REMAT_JIT: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxremat_jit", default=False)
+_warned = contextvars.ContextVar("jaxremat_warned", default=False)
+
+
 def jit(fn: Callable, **kwargs: Any) -> Callable:
     """``jax.jit`` with :func:`compiler_options` (so a rematerialised step is compiled as planned)."""
     options = {**compiler_options(), **kwargs.pop("compiler_options", {})}
-    return jax.jit(fn, compiler_options=options or None, **kwargs)
+
+    @functools.wraps(fn)
+    def traced(*args: Any, **kw: Any) -> Any:
+        token = _UNDER_REMAT_JIT.set(True)
+        try:
+            return fn(*args, **kw)
+        finally:
+            _UNDER_REMAT_JIT.reset(token)
+
+    return jax.jit(traced, compiler_options=options or None, **kwargs)
+
+
+def _check_compile_options() -> None:
+    """Warn once when a checkpoint region is built on the CPU outside :func:`jit`."""
+    if jax.default_backend() == "cpu" and not _UNDER_REMAT_JIT.get() and not _warned.get():
+        _warned.set(True)
+        warnings.warn(
+            "jaxremat: on the CPU, XLA undoes rematerialisation unless the step is compiled with "
+            "jaxremat.compiler_options() (cse_barrier_expander disabled); use jaxremat.jit(...) or "
+            "jax.jit(..., compiler_options=jaxremat.compiler_options()) to get the planned memory",
+            stacklevel=4,
+        )
