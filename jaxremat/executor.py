@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from jaxremat.chain import Chain, stage_rngs
 from jaxremat.schedule import Schedule
@@ -102,33 +105,137 @@ def parse(ops: Sequence[Op], L: int) -> Node:
     return tree
 
 
-def _run(node: Node, L: int, stop: int, apply_stage: Callable, a: Any, updates: dict) -> Any:
-    """Apply the stages of ``node`` below ``stop`` (the loss is not a stage)."""
-    while True:
-        if isinstance(node, Leaf):
-            return apply_stage(node.stage, a, updates) if node.stage < min(L, stop) else a
-        if isinstance(node, Store):
-            a = apply_stage(node.stage, a, updates)
-            node = node.rest
-            continue
-        region, inner = node, node.inner
+Unit = tuple  # ("store", i) or ("region", start, stop, inner)
 
-        def body(a: Any, inner=inner, stop_r=region.stop) -> tuple[Any, dict]:
+
+def _units(node: Node) -> tuple[list[Unit], Leaf]:
+    """A segment's tree as its sequence of top-level units and its final leaf."""
+    units: list[Unit] = []
+    while not isinstance(node, Leaf):
+        if isinstance(node, Store):
+            units.append(("store", node.stage))
+        else:
+            units.append(("region", node.start, node.stop, node.inner))
+        node = node.rest
+    return units, node
+
+
+def _shape(node: Node, base: int) -> tuple:
+    """The structure of a tree with stage indices relative to ``base``."""
+    if isinstance(node, Leaf):
+        return ("leaf", node.stage - base)
+    if isinstance(node, Store):
+        return ("store", node.stage - base, _shape(node.rest, base))
+    return ("region", node.start - base, node.stop - base, _shape(node.inner, base), _shape(node.rest, base))
+
+
+def _span(unit: Unit) -> tuple[int, int]:
+    return (unit[1], unit[1] + 1) if unit[0] == "store" else (unit[1], unit[2])
+
+
+class _Runner:
+    """Runs a schedule tree on one call's variables; runs of alike units go through ``lax.scan``."""
+
+    def __init__(self, chain: Chain, per_stage: list, rngs: dict | None, scan: bool):
+        self.chain, self.per_stage, self.rngs, self.L, self.use_scan = chain, per_stage, rngs, len(chain), scan
+
+    def stage(self, i: int, a: Any, updates: dict, env: tuple) -> Any:
+        variables, offset = env
+        v = variables.get(i, self.per_stage[i]) if variables else self.per_stage[i]
+        out, new = self.chain.stages[i].apply(v, a, stage_rngs(self.rngs, i + offset))
+        if new:
+            updates[i] = new
+        return out
+
+    def unit(self, unit: Unit, a: Any, updates: dict, env: tuple) -> Any:
+        if unit[0] == "store":
+            return self.stage(unit[1], a, updates, env)
+        _, start, stop, inner = unit
+
+        def body(a: Any) -> tuple[Any, dict]:
             local: dict = {}
-            out = _run(inner, L, stop_r, apply_stage, a, local)
-            return out, local
+            return self.run(inner, stop, a, local, env), local
 
         _check_compile_options()
         a, local = jax.checkpoint(body)(a)
         updates.update(local)
-        node = region.rest
+        return a
+
+    def alike(self, u: Unit, w: Unit) -> bool:
+        """Same structure over identical stages (structure key and variable shapes)."""
+        (b0, e0), (b1, e1) = _span(u), _span(w)
+        if e0 - b0 != e1 - b1 or u[0] != w[0]:
+            return False
+        if u[0] == "region" and _shape(u[3], b0) != _shape(w[3], b1):
+            return False
+        for p in range(e0 - b0):
+            s0, s1 = self.chain.stages[b0 + p], self.chain.stages[b1 + p]
+            if not s0.key or s0.key != s1.key:
+                return False
+            shapes = lambda v: jax.tree.map(lambda x: (np.shape(x), x.dtype), v)  # noqa: E731
+            if jax.tree.structure(self.per_stage[b0 + p]) != jax.tree.structure(self.per_stage[b1 + p]):
+                return False
+            if shapes(self.per_stage[b0 + p]) != shapes(self.per_stage[b1 + p]):
+                return False
+        return True
+
+    def run(self, node: Node, stop: int, a: Any, updates: dict, env: tuple = ({}, 0)) -> Any:
+        """Apply the stages of ``node`` below ``stop`` (the loss is not a stage)."""
+        units, leaf = _units(node)
+        i = 0
+        while i < len(units):
+            j = i + 1
+            while j < len(units) and self.alike(units[i], units[j]):
+                j += 1
+            if self.use_scan and j - i >= 2 and not env[0] and self.keeps_shape(units[i], a):
+                a = self.scan(units[i:j], a, updates)
+            else:
+                for unit in units[i:j]:
+                    a = self.unit(unit, a, updates, env)
+            i = j
+        if leaf.stage < min(self.L, stop):
+            a = self.stage(leaf.stage, a, updates, env)
+        return a
+
+    def keeps_shape(self, unit: Unit, a: Any) -> bool:
+        out = jax.eval_shape(lambda a: self.unit(unit, a, {}, ({}, 0)), a)
+        same = lambda x, y: np.shape(x) == np.shape(y) and x.dtype == y.dtype  # noqa: E731
+        return jax.tree.structure(out) == jax.tree.structure(a) and all(
+            same(x, y) for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(a))
+        )
+
+    def scan(self, run: list[Unit], a: Any, updates: dict) -> Any:
+        """``len(run)`` alike units as one ``lax.scan`` over their stacked variables."""
+        first = run[0]
+        b0, e0 = _span(first)
+        k, n = e0 - b0, len(run)
+        stacked = {
+            b0 + p: jax.tree.map(lambda *xs: jnp.stack(xs), *[self.per_stage[_span(u)[0] + p] for u in run])
+            for p in range(k)
+        }
+
+        def body(a: Any, xs: tuple) -> tuple[Any, dict]:
+            variables, u = xs
+            local: dict = {}
+            return self.unit(first, a, local, (variables, u * k)), local
+
+        a, ys = lax.scan(body, a, (stacked, jnp.arange(n)))
+        for i, tree in ys.items():
+            for u in range(n):
+                updates[i + u * k] = jax.tree.map(lambda t: t[u], tree)
+        return a
 
 
-def execute(chain: Chain, schedule: Schedule) -> Callable[..., tuple[Any, Any]]:
+def execute(chain: Chain, schedule: Schedule, *, scan: bool = False) -> Callable[..., tuple[Any, Any]]:
     """``f(variables, x, rngs=None) -> (output, updated_collections)`` whose gradient follows
     ``schedule``: stored stages keep their residuals, checkpoint regions keep only their input
     and are recomputed in the schedule's order. ``updated_collections`` (e.g. ``batch_stats``)
-    are per stage, in the variables' layout, each updated once per step.
+    are per stage index, each updated once per step.
+
+    With ``scan=True``, runs of alike units over identical stages (same structure key and
+    variable shapes, shape-preserving) run as one ``lax.scan``, so tracing stays flat with
+    depth; the price is that the run's parameters are stacked inside the step (a copy, and a
+    stacked gradient), memory the plan does not count. Off by default.
     """
     L = len(chain)
     if schedule.costs.length != L:
@@ -136,16 +243,8 @@ def execute(chain: Chain, schedule: Schedule) -> Callable[..., tuple[Any, Any]]:
     tree = parse(schedule.ops, L)
 
     def forward(variables: Any, x: Any, rngs: dict[str, jax.Array] | None = None) -> tuple[Any, Any]:
-        per_stage = chain.split(variables)
-
-        def apply_stage(i: int, a: Any, updates: dict) -> Any:
-            out, new = chain.stages[i].apply(per_stage[i], a, stage_rngs(rngs, i))
-            if new:
-                updates[i] = new
-            return out
-
         updates: dict[int, Any] = {}
-        out = _run(tree, L, L, apply_stage, x, updates)
+        out = _Runner(chain, chain.split(variables), rngs, scan).run(tree, L, x, updates)
         return out, updates
 
     return forward

@@ -68,8 +68,8 @@ def _plain(chain):
     return f
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
-def test_gradients_dropout_and_batch_stats_match_plain_autodiff(share):
+@pytest.mark.parametrize("share,scan", [(0.0, False), (0.5, False), (1.0, False), (0.0, True), (0.5, True)])
+def test_gradients_dropout_and_batch_stats_match_plain_autodiff(share, scan):
     chain = Chain.from_linen([Noisy() for _ in range(6)], mutable=("batch_stats",), rng_streams=("dropout",))
     x = jax.random.normal(jax.random.key(1), (8, 16))
     v = chain.init(jax.random.key(0), x)
@@ -85,7 +85,9 @@ def test_gradients_dropout_and_batch_stats_match_plain_autodiff(share):
         except jr.InfeasibleBudget:
             continue
         ran.append(algorithm)
-        f = execute(chain, sched)
+        f = execute(chain, sched, scan=scan)
+        if scan and algorithm == "every_stage":
+            assert "scan" in str(jax.make_jaxpr(lambda v: f(v, x, rngs))(v))
         step = jr.jit(lambda v, x: _grads(f, v, x, rngs))
         (loss, (out, upd)), g = step(v, x)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
