@@ -1,25 +1,229 @@
-"""The ``jaxremat`` command line."""
+"""The ``jaxremat`` command line: ``plan``, ``bench`` and ``demo``.
+
+Models are named either by a built-in name (``resnet``, ``gpt``, ``autoencoder``, ``mixer``; see
+:mod:`jaxremat.models`) or by ``PKG.MODULE:FACTORY``, where ``FACTORY`` is a Flax model (an
+``nn.Sequential``, a list of linen modules, an ``nnx.Sequential``) or a function of no arguments
+returning one. User mistakes end with a one-line error and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from jaxremat.models import SAMPLES
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxremat", description="Optimal rematerialisation for JAX under a budget.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="plan a ResNet-style chain for a few budgets against the baselines")
-    demo.add_argument("--budgets", nargs="+", default=["30%", "50%", "75%"], help="budgets (bytes, '512MiB', '40%%')")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from jaxremat.demo import run_demo
+class UsageError(ValueError):
+    """A mistake in the command line, reported in one line."""
 
+
+# -- loading a model ------------------------------------------------------------------------------
+
+
+def load_model(spec: str) -> tuple[Any, tuple[int, ...] | None, str]:
+    """``(model, default input shape or None, default dtype)`` for a built-in name or
+    ``PKG.MODULE:FACTORY``."""
+    if spec in SAMPLES:
+        factory, shape, dtype = SAMPLES[spec]
+        return factory(), shape, dtype
+    if ":" not in spec:
+        raise UsageError(
+            f"cannot find model {spec!r}: give a built-in model ({', '.join(SAMPLES)}) or PKG.MODULE:FACTORY"
+        )
+    module_name, _, attr = spec.partition(":")
+    sys.path.insert(0, str(Path.cwd()))  # like python -m: modules in the current folder are found
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"cannot import {module_name!r} (from --model {spec}): {e}") from None
+    finally:
+        sys.path.pop(0)
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"module {module_name!r} has no attribute {attr!r} (from --model {spec})")
+        obj = getattr(obj, part)
+    if isinstance(obj, type) or (callable(obj) and not _is_model(obj)):
         try:
-            run_demo(tuple(args.budgets))
-        except ValueError as e:
-            print(f"jaxremat: error: {e}", file=sys.stderr)
-            return 2
+            obj = obj()
+        except TypeError as e:
+            raise UsageError(f"{spec} must be a model or a function of no arguments returning one: {e}") from None
+    if not _is_model(obj):
+        raise UsageError(
+            f"{spec} gave a {type(obj).__name__}; expected an nn.Sequential, a list of linen modules or an "
+            "nnx.Sequential"
+        )
+    return obj, None, "float32"
+
+
+def _is_model(obj: Any) -> bool:
+    import flax.linen as nn
+    from flax import nnx
+
+    return isinstance(obj, (nn.Sequential, nnx.Sequential)) or (
+        isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(m, (nn.Module, nnx.Module)) for m in obj)
+    )
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"16,32,32,3"`` (or ``16x32x32x3``) -> ``(16, 32, 32, 3)``."""
+    parts = text.replace("x", ",").replace(" ", "").strip("()[]").split(",")
+    try:
+        shape = tuple(int(p) for p in parts if p)
+    except ValueError:
+        raise UsageError(f"cannot read an input shape from {text!r}; write it as e.g. 16,32,32,3") from None
+    if not shape or any(d <= 0 for d in shape):
+        raise UsageError(f"input shape {text!r} must be positive integers, e.g. 16,32,32,3")
+    return shape
+
+
+def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """``(model, chain, variables, sample input)`` from ``--model``, ``--input-shape``, ``--dtype``."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxremat.chain import Chain
+    from jaxremat.models import sample_input
+
+    model, shape, dtype = load_model(args.model)
+    if args.input_shape:
+        shape = parse_shape(args.input_shape)
+    if shape is None:
+        raise UsageError(f"--input-shape is needed for {args.model} (e.g. --input-shape 16,32,32,3)")
+    dtype = args.dtype or dtype
+    try:
+        np.dtype(dtype)
+    except TypeError:
+        raise UsageError(f"unknown --dtype {dtype!r}; use e.g. float32, bfloat16 or int32") from None
+    x = sample_input(shape, dtype)
+    nnx_model = isinstance(model, nnx.Sequential) or (isinstance(model, (list, tuple)) and isinstance(model[0], nnx.Module))
+    chain = Chain.from_nnx(model) if nnx_model else Chain.from_linen(model)
+    try:
+        variables = chain.init(jax.random.key(0), x) if nnx_model or not chain.sequential else model.init(jax.random.key(0), x)
+    except Exception as e:  # noqa: BLE001 - the model cannot take this input
+        raise UsageError(f"{args.model} cannot take an input of shape {shape} ({dtype}): {type(e).__name__}: "
+                         f"{str(e).splitlines()[0]}") from None
+    chain.shapes(variables, x)  # names the stage that cannot take its input
+    return model, chain, variables, x
+
+
+# -- commands --------------------------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    import jaxremat as jr
+    from jaxremat.profiler import profile_stages, report
+    from jaxremat.solvers import budget_bytes
+
+    _, chain, variables, x = prepare(args)
+    costs, stages = profile_stages(chain, variables, x, method=args.method, quiet=args.quiet)
+    budget = budget_bytes(costs, args.budget)
+    print(report(stages), "\n")
+    schedule = jr.solve(costs, budget, algorithm=args.algorithm)
+    print(schedule.summary(), "\n")
+    print(f"{'algorithm':<14} {'predicted peak':>15} {'time over store-all':>20}")
+    for algorithm in jr.ALGORITHMS:
+        if algorithm == "rotor":
+            continue
+        try:
+            s = jr.solve(costs, budget, algorithm=algorithm)
+            print(f"{algorithm:<14} {jr.format_bytes(s.peak):>15} {s.overhead:>19.3f}x")
+        except jr.InfeasibleBudget as e:
+            print(f"{algorithm:<14} {'does not fit':>15} {'least ' + jr.format_bytes(e.min_budget):>20}")
+    if args.save:
+        jr.plan(chain, variables, x, budget, algorithm=args.algorithm, costs=costs).save(args.save)
+        print(f"\nplan saved to {args.save}")
+    if args.plot:
+        from jaxremat.plots import plot_front
+
+        print(f"Pareto front written to {plot_front(costs, args.plot)}")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from jaxremat import bench
+
+    model, chain, variables, x = prepare(args)
+    out = Path(args.out)
+    name = args.model.replace(":", "_").replace(".", "_")
+    _, md = bench.run(args.model, chain, x, out, name=name, method=args.method, rounds=args.rounds, quiet=args.quiet,
+                      plot=not args.no_plot, variables=variables)
+    (out / f"{name}.md").write_text(md)
+    print(md)
+    print(f"results written under {out}/")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from jaxremat.demo import run_demo
+
+    model, chain, variables, x = prepare(args)
+    run_demo(args.model, model, chain, variables, x, args.budget, steps=args.steps, method=args.method,
+             quiet=args.quiet)
+
+
+# -- the parser ------------------------------------------------------------------------------------
+
+
+def _model_args(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--model", default=default, required=default is None,
+                   help=f"built-in ({', '.join(SAMPLES)}) or PKG.MODULE:FACTORY" + (f" (default {default})" if default else ""))
+    p.add_argument("--input-shape", help="input shape, e.g. 16,32,32,3 (built-in models have one)")
+    p.add_argument("--dtype", help="input dtype (default float32; the built-in gpt takes int32)")
+    p.add_argument("--method", choices=("measure", "xla"), default="measure",
+                   help="profile by timing each stage or from XLA's cost analysis (default measure)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="jaxremat", description="Optimal rematerialisation for JAX under a memory budget.")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="profile a model, solve for a budget, print the schedule",
+                       description="Profile a model, solve for a budget and print the schedule with its predicted "
+                       "memory and time against the other algorithms.")
+    _model_args(p, None)
+    p.add_argument("--budget", required=True, help="bytes, '512MiB', '2GB' or a share of the store-all peak ('40%%')")
+    p.add_argument("--algorithm", default="optimal", help="optimal (default), revolve, sqrt, every_stage, ...")
+    p.add_argument("--plot", metavar="FILE.png", help="also write the predicted time-memory front")
+    p.add_argument("--save", metavar="PLAN.json", help="save the plan for jaxremat.load_plan")
+    p.set_defaults(run=cmd_plan)
+
+    b = sub.add_parser("bench", help="measure jaxremat against hand-written jax.checkpoint strategies",
+                       description="Compile and time the model's training step under each hand-written "
+                       "jax.checkpoint strategy and under jaxremat for a sweep of budgets (CSV, markdown, plot).")
+    _model_args(b, None)
+    b.add_argument("--out", default="jaxremat-bench", help="folder for the CSV, markdown and PNG (default jaxremat-bench)")
+    b.add_argument("--rounds", type=int, default=6, help="timing rounds (each 5 calls per strategy; default 6)")
+    b.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    b.set_defaults(run=cmd_bench)
+
+    d = sub.add_parser("demo", help="the main job: plan a real Flax model, train it under a budget, compare",
+                       description="Profile a Flax model, plan it for a budget, train a few optax steps under the "
+                       "plan, and print predicted against XLA-measured memory and time next to the usual "
+                       "jax.checkpoint strategies.")
+    _model_args(d, "resnet")
+    d.add_argument("--budget", default="50%", help="bytes, '512MiB' or a share of the store-all peak (default 50%%)")
+    d.add_argument("--steps", type=int, default=5, help="training steps to run under the plan (default 5)")
+    d.set_defaults(run=cmd_demo)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from jaxremat.schedule import InfeasibleBudget
+
+    try:
+        args.run(args)
+    except (UsageError, InfeasibleBudget) as e:
+        print(f"jaxremat: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # bad budgets, models that are not chains, ...
+        print(f"jaxremat: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     return 0
 
 

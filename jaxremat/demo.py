@@ -1,66 +1,91 @@
-"""The README's main job: plan a ResNet-style chain for a few budgets against the baselines.
-
-Until the profiler lands, the chain's costs are written by hand from a ResNet-50 at batch 32,
-224x224, float32 (activation bytes from the shapes; times proportional to the flops).
-"""
+"""The README's main job: a real Flax model profiled, planned for a budget, trained under the plan,
+and measured by XLA next to the ``jax.checkpoint`` strategies users write by hand."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
-from jaxremat.costs import ChainCosts
-from jaxremat.schedule import InfeasibleBudget
-from jaxremat.solvers import ALGORITHMS, budget_bytes, solve, store_all_peak
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxremat.chain import Chain
+from jaxremat.compare import compare
+from jaxremat.executor import execute, jit
+from jaxremat.plans import plan as make_plan
+from jaxremat.profiler import profile_stages, report
+from jaxremat.solvers import budget_bytes, store_all_peak
 from jaxremat.units import format_bytes
 
-
-def resnet_like_costs(batch: int = 32) -> ChainCosts:
-    """A 18-stage ResNet-50-shaped chain: stem, pool, 3+4+6+3 bottleneck blocks, head."""
-    f32 = 4
-    act = lambda c, hw: batch * c * hw * hw * f32  # noqa: E731
-    names, x, xbar, fwd, ftmp, btmp = ["input"], [act(3, 224)], [], [], [], []
-
-    def stage(name: str, out: int, keep: float, ms: float, tmp: float) -> None:
-        names.append(name)
-        x.append(out)
-        xbar.append(int(keep * out))
-        fwd.append(ms)
-        ftmp.append(int(tmp * out))
-        btmp.append(int(tmp * out))
-
-    stage("stem", act(64, 112), 2.5, 2.0, 0.5)
-    stage("maxpool", act(64, 56), 1.5, 0.3, 0.0)
-    for k, (n, c, hw, ms) in enumerate([(3, 256, 56, 3.0), (4, 512, 28, 2.8), (6, 1024, 14, 2.6), (3, 2048, 7, 2.4)]):
-        for b in range(n):
-            stage(f"layer{k + 1}.{b}", act(c, hw), 3.0, ms, 0.5)
-    stage("head", batch * 1000 * f32, 1.0, 0.1, 0.0)
-    return ChainCosts(
-        x=x, xbar=xbar, fwd=fwd, bwd=[2 * t for t in fwd], fwd_tmp=ftmp, bwd_tmp=btmp, names=names[1:]
-    )
+MANUAL = ("remat every block", "checkpoint whole chain", "policy dots_saveable")
 
 
-def run_demo(budgets: tuple[str, ...] = ("30%", "50%", "75%")) -> None:
-    costs = resnet_like_costs()
-    for b in budgets:
-        budget_bytes(costs, b)  # a budget that does not parse fails before any output
-    peak = store_all_peak(costs)
-    print("jaxremat demo: a ResNet-50-shaped chain (batch 32, 224x224, float32), hand-written costs")
-    print(f"  {costs.length} stages; store-all peak {format_bytes(peak)}; times in ms\n")
-    header = f"{'budget':>18}  " + "  ".join(f"{a:>22}" for a in ALGORITHMS)
-    print(header)
-    print("-" * len(header))
-    for b in budgets:
-        cells = []
-        for algorithm in ALGORITHMS:
-            try:
-                s = solve(costs, b, algorithm=algorithm)
-                cells.append(f"{format_bytes(s.peak):>11} {s.overhead:>6.3f}x {'':>2}")
-            except InfeasibleBudget:
-                cells.append(f"{'does not fit':>22}")
-        label = f"{b} = {format_bytes(budget_bytes(costs, b))}"
-        print(f"{label:>18}  " + "  ".join(f"{c:>22}" for c in cells))
-    print("\n(each cell: predicted peak, time over store-all)\n")
+def train(chain: Chain, forward: Any, variables: Any, x: Any, steps: int) -> tuple[list[float], float]:
+    """``steps`` of Adam on a regression to fixed random targets; (losses, seconds per step)."""
+    out = jax.eval_shape(lambda v: chain.apply(v, x), variables)
+    target = jax.tree.map(lambda s: jax.random.normal(jax.random.key(7), s.shape, jnp.float32), out)
+    params = {k: v for k, v in variables.items() if k == "params"} if isinstance(variables, dict) else variables
+    opt = optax.adam(1e-3)
+
+    def loss_fn(params: Any) -> jax.Array:
+        y = forward({**variables, **params} if isinstance(variables, dict) else params, x)
+        return sum(jnp.mean((a.astype(jnp.float32) - t) ** 2) for a, t in zip(jax.tree.leaves(y), jax.tree.leaves(target)))
+
+    @jit
+    def step(params: Any, state: Any) -> tuple[Any, Any, jax.Array]:
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        updates, state = opt.update(g, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    state, losses = opt.init(params), []
+    params, state, loss = step(params, state)  # compile
+    losses.append(float(loss))
     t0 = time.perf_counter()
-    s = solve(costs, budgets[len(budgets) // 2])
-    print(f"optimal schedule at {budgets[len(budgets) // 2]} (solved in {time.perf_counter() - t0:.3f} s):")
-    print(s.summary())
+    for _ in range(steps - 1):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    return losses, (time.perf_counter() - t0) / max(1, steps - 1)
+
+
+def run_demo(
+    label: str, model: Any, chain: Chain, variables: Any, x: Any, budget: Any = "50%", *, steps: int = 5,
+    method: str = "measure", quiet: bool = False,
+) -> None:
+    shapes = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", x)
+    print(f"jaxremat demo: {label} ({type(model).__name__}, {len(chain)} stages), input {shapes}\n")
+    costs, stages = profile_stages(chain, variables, x, method=method, quiet=quiet)
+    b = budget_bytes(costs, budget)
+    print(report(stages), "\n")
+    p = make_plan(chain, variables, x, b, costs=costs)
+    print(p.report(), "\n")
+
+    f = execute(chain, p.schedule)
+    losses, per_step = train(chain, lambda v, a: f(v, a)[0], variables, x, steps)
+    plain, _ = train(chain, chain.apply, variables, x, steps)
+    diff = max(abs(a - c) for a, c in zip(losses, plain))
+    print(f"trained {steps} Adam steps under the plan: loss {losses[0]:.5f} -> {losses[-1]:.5f} "
+          f"({per_step * 1e3:.1f} ms/step); the plain model's losses differ by at most {diff:.2g}\n")
+
+    print("measuring the training step under each strategy with XLA (compiled for real remat on the CPU)...")
+    cmp = compare(label, chain, variables, x, costs, budgets=[b], algorithms=("optimal",), manual=MANUAL,
+                  match=False)
+    x0 = int(costs.x[0])
+    print(f"\n{'strategy':<34} {'XLA temp':>11} {'predicted':>11} {'flops':>6} {'time':>6}   (flops and time over no remat)")
+    for q in cmp.points:
+        pred = format_bytes(q.predicted_peak) if q.predicted_peak is not None else ""
+        name = "jaxremat optimal" if q.kind == "jaxremat" else q.strategy
+        print(f"{name:<34} {format_bytes(q.temp):>11} {pred:>11} {cmp.flops_ratio(q):>6.2f} {cmp.overhead(q):>6.2f}")
+    mine = next(q for q in cmp.points if q.kind == "jaxremat")
+    print(
+        f"\nbudget {format_bytes(b)} ({b / store_all_peak(costs):.0%} of store-all, the input a_0 of "
+        f"{format_bytes(x0)} included): predicted peak {format_bytes(mine.predicted_peak + x0)}, XLA-measured "
+        f"{format_bytes(mine.temp + x0)} ({mine.temp / mine.predicted_peak:.2f}x predicted); time over no remat "
+        f"predicted {mine.predicted_overhead:.2f}x, measured {cmp.overhead(mine):.2f}x."
+    )
+    fits = [q for q in cmp.points if q.kind == "manual" and q.temp + x0 <= b]
+    if fits:
+        best = min(fits, key=cmp.overhead)
+        print(f"fastest hand-written strategy within the budget: {best.strategy} at {cmp.overhead(best):.2f}x.")
+    else:
+        print("no hand-written strategy above fits within the budget.")

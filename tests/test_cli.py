@@ -1,16 +1,64 @@
+"""The command line: demo, plan and bench on small models; user mistakes as one-line errors."""
+
+import json
+
+import pytest
+
+import jaxremat as jr
 from jaxremat.cli import main
 
+SMALL = ["--model", "resnet", "--input-shape", "2,16,16,3", "--method", "xla", "--quiet"]
 
-def test_demo_prints_every_algorithm_and_a_schedule(capsys):
-    assert main(["demo", "--budgets", "40%", "80%"]) == 0
+
+def test_demo_trains_under_the_plan_and_compares_with_manual_strategies(capsys):
+    assert main(["demo", *SMALL, "--steps", "2", "--budget", "60%"]) == 0
     out = capsys.readouterr().out
-    for name in ("optimal", "revolve", "sqrt", "every_stage", "store_all", "recompute_all"):
+    assert "stored whole (Fall)" in out or "checkpointed (Fck)" in out
+    assert "the plain model's losses differ by at most 0\n" in out  # exact gradients: identical losses
+    for name in ("no remat", "remat every block", "policy dots_saveable", "jaxremat optimal", "XLA-measured"):
         assert name in out
-    assert "optimal schedule at 80%" in out and "stored whole (Fall)" in out
 
 
-def test_demo_bad_budget_is_a_one_line_error(capsys):
-    assert main(["demo", "--budgets", "lots"]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.startswith("jaxremat: error: cannot read a byte size from 'lots'")
+def test_plan_prints_schedule_saves_plan_and_plots(tmp_path, capsys):
+    png, saved = tmp_path / "front.png", tmp_path / "plan.json"
+    args = ["plan", "--model", "gpt", "--input-shape", "2,16", "--method", "xla", "--quiet", "--budget", "40%"]
+    assert main([*args, "--plot", str(png), "--save", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "schedule (optimal)" in out and "revolve" in out and "predicted peak" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    plan = jr.load_plan(saved)
+    assert plan.schedule.peak <= plan.schedule.budget
+    assert json.loads(saved.read_text())["algorithm"] == "optimal"
+
+
+def test_bench_writes_csv_markdown_and_plot(tmp_path, capsys):
+    args = ["bench", "--model", "mixer", "--input-shape", "2,8,8,3", "--method", "xla", "--quiet", "--rounds", "1"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| remat every block |" in out and "jaxremat optimal" in out
+    csv = (tmp_path / "mixer.csv").read_text()
+    assert "policy dots_saveable" in csv and ",matched," in csv
+    assert (tmp_path / "mixer.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--model", "nosuchmodel", "--budget", "40%"], "cannot find model 'nosuchmodel'"),
+        (["plan", "--model", "nosuch.module:f", "--budget", "40%"], "cannot import 'nosuch.module'"),
+        (["plan", "--model", "jaxremat.models:nothing", "--budget", "40%"], "has no attribute 'nothing'"),
+        (["plan", "--model", "jaxremat.models:sample_input", "--budget", "1", "--input-shape", "2"], "must be a model"),
+        (["plan", "--model", "jaxremat.models:resnet", "--budget", "40%"], "--input-shape is needed"),
+        (["plan", "--model", "resnet", "--input-shape", "2,a,3", "--budget", "40%"], "cannot read an input shape"),
+        (["plan", "--model", "gpt", "--input-shape", "2,16", "--dtype", "float32", "--budget", "40%"],
+         "cannot take an input of shape"),
+        (["plan", *SMALL, "--budget", "lots"], "cannot read a byte size from 'lots'"),
+        (["plan", *SMALL, "--budget", "1KiB"], "needs on this chain: at least"),
+        (["demo", "--dtype", "floaty"], "unknown --dtype 'floaty'"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxremat: error: ") and message in err, err
+    assert err.count("\n") == 1

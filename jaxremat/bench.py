@@ -1,0 +1,136 @@
+"""Reports of a :class:`~jaxremat.compare.Comparison`: CSV, markdown tables and the plot."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxremat.chain import Chain
+from jaxremat.compare import Comparison, compare
+from jaxremat.profiler import profile
+from jaxremat.units import format_bytes
+
+NOISE = 0.03  # step-time differences below this share of the no-remat time are within noise here
+
+
+def write_csv(cmp: Comparison, path: str | Path) -> Path:
+    rows = cmp.rows()
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return Path(path)
+
+
+def _mib(b: int | None) -> str:
+    return "" if b is None else f"{b / 2**20:.2f}"
+
+
+def verdict(cmp: Comparison, manual: Any, asked: Any) -> str:
+    """How jaxremat, asked for a manual strategy's memory, did against it."""
+    if asked is None:
+        return "not run"
+    if not asked.times:
+        return asked.note
+    parts = []
+    d = cmp.overhead(asked) - cmp.overhead(manual)
+    parts.append("faster" if d < -NOISE else "slower" if d > NOISE else "same time (within noise)")
+    if asked.temp > manual.temp:
+        parts.append(f"but {100 * (asked.temp / manual.temp - 1):.0f}% more memory")
+    return ", ".join(parts)
+
+
+def strategies_table(cmp: Comparison) -> list[str]:
+    """Every manual strategy and jaxremat's answer at its memory."""
+    lines = [
+        "| manual strategy | temp MiB | total MiB | flops | time | jaxremat temp MiB (predicted) | flops | time "
+        "(predicted) | result | best jaxremat point within that memory: time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = cmp.baseline
+    lines.append(
+        f"| no remat | {_mib(base.temp)} | {_mib(base.total)} | 1.00 | 1.00 ({base.time * 1e3:.1f} ms) | | | | | |"
+    )
+    for m, asked, best in cmp.matched():
+        cells = [m.strategy, _mib(m.temp), _mib(m.total), f"{cmp.flops_ratio(m):.2f}", f"{cmp.overhead(m):.2f}"]
+        if asked is not None and asked.times:
+            cells += [
+                f"{_mib(asked.temp)} ({_mib(asked.predicted_peak)})",
+                f"{cmp.flops_ratio(asked):.2f}",
+                f"{cmp.overhead(asked):.2f} ({asked.predicted_overhead:.2f})",
+            ]
+        else:
+            cells += ["", "", ""]
+        cells.append(verdict(cmp, m, asked))
+        cells.append(f"{cmp.overhead(best):.2f}" if best is not None else "none")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def sweep_table(cmp: Comparison) -> list[str]:
+    lines = [
+        "| jaxremat | budget MiB | predicted peak − a_0 MiB | XLA temp MiB | temp / predicted | flops | time "
+        "(predicted) | compile s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in cmp.points:
+        if p.kind != "jaxremat" or not p.times:
+            continue
+        ratio = p.temp / p.predicted_peak if p.predicted_peak else float("nan")
+        lines.append(
+            f"| {p.strategy.split(' @ ')[0]} | {_mib(p.budget)} | {_mib(p.predicted_peak)} | {_mib(p.temp)} | "
+            f"{ratio:.2f} | {cmp.flops_ratio(p):.2f} | {cmp.overhead(p):.2f} ({p.predicted_overhead:.2f}) | "
+            f"{p.compile_s:.1f} |"
+        )
+    return lines
+
+
+def markdown(cmp: Comparison, plot: str | None = None) -> str:
+    """The model's section of the results: strategies, jaxremat's sweep, the plot."""
+    wins = [verdict(cmp, m, a) for m, a, _ in cmp.matched()]
+    n_ok = sum(w.startswith(("faster", "same")) and "more memory" not in w for w in wins)
+    out = [
+        f"## {cmp.model}",
+        "",
+        f"{cmp.costs.length} stages; input {format_bytes(cmp.input_bytes)}, parameters "
+        f"{format_bytes(cmp.params_bytes)}; no-remat step {cmp.baseline.time * 1e3:.1f} ms. "
+        f"Times and flops are over no remat; temp is XLA's `temp_size_in_bytes` (total adds arguments "
+        f"and outputs: parameters, input, loss and gradients). jaxremat at a manual strategy's memory: "
+        f"{n_ok} of {len(wins)} no slower within the same memory.",
+        "",
+        *strategies_table(cmp),
+        "",
+        "jaxremat's sweep (budgets from the least that fits to the store-all peak):",
+        "",
+        *sweep_table(cmp),
+        "",
+    ]
+    if plot:
+        out += [f"![{cmp.model}]({plot})", ""]
+    return "\n".join(out)
+
+
+def run(
+    label: str, model: Any, x: Any, out_dir: str | Path, *, name: str, method: str = "measure",
+    rounds: int = 6, quiet: bool = False, plot: bool = True, variables: Any = None,
+) -> tuple[Comparison, str]:
+    """Profile, compare and write ``{name}.csv`` (and ``{name}.png``) under ``out_dir``;
+    returns the comparison and its markdown section."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chain = model if isinstance(model, Chain) else Chain.from_linen(model)
+    if variables is None:
+        variables = model.init(jax.random.key(0), x) if not isinstance(model, Chain) else chain.init(jax.random.key(0), x)
+    costs = profile(chain, variables, x, method=method, quiet=quiet)
+    say = None if quiet else (lambda s: print("  " + s, flush=True))
+    cmp = compare(label, chain, variables, x, costs, rounds=rounds, progress=say)
+    write_csv(cmp, out_dir / f"{name}.csv")
+    png = None
+    if plot:
+        from jaxremat.plots import plot_comparison
+
+        png = plot_comparison(cmp, out_dir / f"{name}.png").name
+    return cmp, markdown(cmp, png)

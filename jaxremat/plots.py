@@ -1,0 +1,78 @@
+"""Plots (matplotlib, from the ``bench`` extra): time against memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from jaxremat.costs import ChainCosts
+from jaxremat.solvers import pareto
+
+if TYPE_CHECKING:
+    from jaxremat.compare import Comparison
+
+MIB = 2.0**20
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("plots need matplotlib: pip install 'jaxremat[bench]' (or pip install matplotlib)") from None
+    return plt
+
+
+def plot_front(costs: ChainCosts, path: str | Path, algorithms: Sequence[str] = ("optimal", "revolve")) -> Path:
+    """The predicted time-memory front of each algorithm, saved as a PNG."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for algorithm in algorithms:
+        front = pareto(costs, algorithm)
+        if front:
+            ax.plot([s.peak / MIB for s in front], [s.overhead for s in front], "-o", ms=3, label=algorithm)
+    ax.set_xlabel("predicted peak activation memory (MiB)")
+    ax.set_ylabel("predicted step time over store-all")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_comparison(cmp: "Comparison", path: str | Path) -> Path:
+    """Measured time over no remat against XLA temp memory: jaxremat's curves and the manual
+    strategies as labelled points."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    timed = [p for p in cmp.points if p.times]
+    for algorithm, style in (("optimal", "-o"), ("revolve", "--s"), ("sqrt", "D")):
+        pts = sorted(
+            {p.temp: p for p in timed if p.kind == "jaxremat" and p.strategy.startswith(f"jaxremat {algorithm} ")}.values(),
+            key=lambda p: p.temp,
+        )
+        if pts:
+            ax.plot([p.temp / MIB for p in pts], [cmp.overhead(p) for p in pts], style, label=f"jaxremat {algorithm}",
+                    ms=4)
+    matched = [p for p in timed if p.kind == "matched"]
+    if matched:
+        ax.scatter([p.temp / MIB for p in matched], [cmp.overhead(p) for p in matched], facecolors="none",
+                   edgecolors="C0", s=60, label="jaxremat at a manual strategy's memory", zorder=3)
+    manual = [p for p in timed if p.kind == "manual"]
+    ax.scatter([p.temp / MIB for p in manual], [cmp.overhead(p) for p in manual], color="C3", marker="x", s=50,
+               label="manual strategies", zorder=4)
+    for n, p in enumerate(manual):
+        ax.annotate(p.strategy.replace("checkpoint ", "ckpt ").replace("policy ", ""), (p.temp / MIB, cmp.overhead(p)),
+                    textcoords="offset points", xytext=(4, 4 + 7 * (n % 3)), fontsize=7, color="C3")
+    ax.set_xlabel("XLA temp memory of the training step (MiB)")
+    ax.set_ylabel("step time over no remat (measured)")
+    ax.set_title(cmp.model, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
