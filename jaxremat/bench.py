@@ -44,28 +44,30 @@ def verdict(cmp: Comparison, manual: Any, asked: Any) -> str:
 
 
 def strategies_table(cmp: Comparison) -> list[str]:
-    """Every manual strategy and jaxremat's answer at its memory."""
+    """Every manual strategy and jaxremat's answers at its memory."""
     lines = [
-        "| manual strategy | temp MiB | total MiB | flops | time | jaxremat temp MiB (predicted) | flops | time "
-        "(predicted) | result | best jaxremat point within that memory: time |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| manual strategy | temp MiB | total MiB | flops | time | jaxremat asked: temp MiB (predicted) | time "
+        "(predicted) | result | jaxremat calibrated: temp MiB | flops | time | result |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = cmp.baseline
     lines.append(
-        f"| no remat | {_mib(base.temp)} | {_mib(base.total)} | 1.00 | 1.00 ({base.time * 1e3:.1f} ms) | | | | | |"
+        f"| no remat | {_mib(base.temp)} | {_mib(base.total)} | 1.00 | 1.00 ({base.time * 1e3:.1f} ms) |"
+        + " |" * 7
     )
-    for m, asked, best in cmp.matched():
+    for m, asked, cal, _ in cmp.matched():
         cells = [m.strategy, _mib(m.temp), _mib(m.total), f"{cmp.flops_ratio(m):.2f}", f"{cmp.overhead(m):.2f}"]
         if asked is not None and asked.times:
-            cells += [
-                f"{_mib(asked.temp)} ({_mib(asked.predicted_peak)})",
-                f"{cmp.flops_ratio(asked):.2f}",
-                f"{cmp.overhead(asked):.2f} ({asked.predicted_overhead:.2f})",
-            ]
+            cells += [f"{_mib(asked.temp)} ({_mib(asked.predicted_peak)})",
+                      f"{cmp.overhead(asked):.2f} ({asked.predicted_overhead:.2f})"]
+        else:
+            cells += ["", ""]
+        cells.append(verdict(cmp, m, asked))
+        if cal is not None and cal.times:
+            cells += [_mib(cal.temp), f"{cmp.flops_ratio(cal):.2f}", f"{cmp.overhead(cal):.2f}"]
         else:
             cells += ["", "", ""]
-        cells.append(verdict(cmp, m, asked))
-        cells.append(f"{cmp.overhead(best):.2f}" if best is not None else "none")
+        cells.append(verdict(cmp, m, cal))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -90,16 +92,20 @@ def sweep_table(cmp: Comparison) -> list[str]:
 
 def markdown(cmp: Comparison, plot: str | None = None) -> str:
     """The model's section of the results: strategies, jaxremat's sweep, the plot."""
-    wins = [verdict(cmp, m, a) for m, a, _ in cmp.matched()]
-    n_ok = sum(w.startswith(("faster", "same")) and "more memory" not in w for w in wins)
+    def ok(w: str) -> bool:
+        return w.startswith(("faster", "same")) and "more memory" not in w
+
+    asked = [verdict(cmp, m, a) for m, a, _, _ in cmp.matched()]
+    cal = [verdict(cmp, m, c) for m, _, c, _ in cmp.matched()]
     out = [
         f"## {cmp.model}",
         "",
         f"{cmp.costs.length} stages; input {format_bytes(cmp.input_bytes)}, parameters "
         f"{format_bytes(cmp.params_bytes)}; no-remat step {cmp.baseline.time * 1e3:.1f} ms. "
         f"Times and flops are over no remat; temp is XLA's `temp_size_in_bytes` (total adds arguments "
-        f"and outputs: parameters, input, loss and gradients). jaxremat at a manual strategy's memory: "
-        f"{n_ok} of {len(wins)} no slower within the same memory.",
+        f"and outputs: parameters, input, loss and gradients). jaxremat asked for a manual strategy's "
+        f"memory: no slower within that memory for {sum(map(ok, asked))} of {len(asked)}; calibrated with "
+        f"XLA in the loop: {sum(map(ok, cal))} of {len(cal)}.",
         "",
         *strategies_table(cmp),
         "",

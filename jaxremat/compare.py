@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxremat.calibrate import calibrated_solve, compile_step, training_step
 from jaxremat.chain import Chain, stage_rngs, tree_bytes
 from jaxremat.costs import ChainCosts
-from jaxremat.executor import _UNDER_REMAT_JIT, compiler_options, execute
+from jaxremat.executor import execute
 from jaxremat.schedule import InfeasibleBudget, Schedule
 from jaxremat.solvers import min_budget, solve, store_all_peak
 
@@ -86,30 +87,12 @@ def manual_strategies(chain: Chain, rngs: dict | None = None) -> dict[str, Forwa
 # -- the training step and its measurement --------------------------------------------------------
 
 
-def _loss(out: Any) -> jax.Array:
-    return sum(jnp.mean(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(out))
-
-
-def training_step(forward: Forward, per_stage: list) -> Callable[[list, Any], tuple[jax.Array, list]]:
-    """``step(params, x) -> (loss, grads)`` for a forward over per-stage variables; the loss is
-    the mean square of the output (the strategies differ only in what they keep, not in the loss)."""
-    rest = [{k: v for k, v in u.items() if k != "params"} for u in per_stage]
-
-    def step(params: list, x: Any) -> tuple[jax.Array, list]:
-        def loss(params: list) -> jax.Array:
-            return _loss(forward([{**r, "params": p} for r, p in zip(rest, params)], x))
-
-        return jax.value_and_grad(loss)(params)
-
-    return step
-
-
 @dataclass
 class Point:
     """One measured strategy. Memory in bytes, time in seconds."""
 
     strategy: str
-    kind: str  # "manual", "jaxremat" or "matched"
+    kind: str  # "manual", "jaxremat", "matched" (asked for a manual strategy's memory) or "calibrated"
     temp: int = 0
     total: int = 0
     flops: float = 0.0
@@ -118,7 +101,7 @@ class Point:
     budget: int | None = None  # jaxremat: the budget asked for
     predicted_peak: int | None = None  # jaxremat: the plan's peak minus the input a_0
     predicted_overhead: float | None = None
-    matches: str | None = None  # "matched": the manual strategy whose memory was the budget
+    matches: str | None = None  # matched/calibrated: the manual strategy whose memory was the budget
     note: str = ""
     compiled: Any = field(default=None, repr=False)
 
@@ -129,11 +112,7 @@ class Point:
 
 def compile_point(point: Point, step: Callable, params: list, x: Any) -> Point:
     t0 = time.perf_counter()
-    token = _UNDER_REMAT_JIT.set(True)  # compiled with the options below: no warning
-    try:
-        compiled = jax.jit(step).lower(params, x).compile(compiler_options() or None)
-    finally:
-        _UNDER_REMAT_JIT.reset(token)
+    compiled = compile_step(step, params, x)
     point.compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     point.temp = int(mem.temp_size_in_bytes)
@@ -209,18 +188,20 @@ class Comparison:
             )
         return out
 
-    def matched(self) -> list[tuple[Point, Point | None, Point | None]]:
-        """(manual point, jaxremat asked for its memory, fastest jaxremat point measured within
-        its memory) for every manual strategy except ``no remat``."""
-        jr = [p for p in self.points if p.kind in ("jaxremat", "matched") and p.times]
+    def matched(self) -> list[tuple[Point, Point | None, Point | None, Point | None]]:
+        """(manual point, jaxremat asked for its memory, jaxremat calibrated to its memory,
+        fastest jaxremat point measured within its memory) per manual strategy but ``no remat``."""
+        jr = [p for p in self.points if p.kind != "manual" and p.times]
         out = []
         for m in self.points:
             if m.kind != "manual" or m.strategy == "no remat":
                 continue
-            asked = next((p for p in self.points if p.kind == "matched" and p.matches == m.strategy), None)
+            find = lambda kind: next(  # noqa: E731
+                (p for p in self.points if p.kind == kind and p.matches == m.strategy), None
+            )
             within = [p for p in jr if p.temp <= m.temp]
             best = min(within, key=lambda p: p.time) if within else None
-            out.append((m, asked, best))
+            out.append((m, find("matched"), find("calibrated"), best))
         return out
 
 
@@ -301,12 +282,30 @@ def compare(
             except InfeasibleBudget as e:
                 points.append(Point(f"jaxremat optimal @ {budget}", "matched", budget=budget, matches=m.strategy,
                                     note=f"does not fit (least budget {e.min_budget} B)"))
-                continue
-            p = _schedule_point(f"jaxremat optimal @ {budget}", "matched", sched, x0, matches=m.strategy)
-            points.append(run_schedule(p, sched))
+            else:
+                p = _schedule_point(f"jaxremat optimal @ {budget}", "matched", sched, x0, matches=m.strategy)
+                points.append(run_schedule(p, sched))
+            measured = {k: p.temp for k, p in by_ops.items()}
 
-    timed = [p for p in points if p.compiled is not None]
+            def measure(s: Schedule) -> int:
+                key = tuple(s.ops)
+                if key not in measured:
+                    name = f"jaxremat calibrated @ {s.budget}"
+                    measured[key] = run_schedule(_schedule_point(name, "jaxremat", s, x0), s).temp
+                return measured[key]
+
+            try:
+                cal = calibrated_solve(costs, budget, measure)
+            except InfeasibleBudget as e:
+                points.append(Point(f"jaxremat calibrated @ {budget}", "calibrated", budget=budget,
+                                    matches=m.strategy, note=f"does not fit ({e})"))
+                continue
+            p = _schedule_point(f"jaxremat calibrated @ {budget}", "calibrated", cal.schedule, x0, matches=m.strategy)
+            points.append(run_schedule(p, cal.schedule))
+
+    needed = {id(p.times) for p in points}  # points reusing a measurement share its list of times
+    timed = [p for p in points if p.kind == "manual"] + [s for s in by_ops.values() if id(s.times) in needed]
     time_points(timed, params, x, rounds=rounds)
-    for p in points:
+    for p in [*points, *by_ops.values()]:
         p.compiled = None
     return Comparison(label, costs, points, x0, tree_bytes(params))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,10 +111,24 @@ def plan(
     method: str = "measure",
     slots: int = 500,
     costs: ChainCosts | None = None,
+    calibrate: bool = False,
     **profile_options: Any,
 ) -> Plan:
-    """Profile ``chain`` (unless ``costs`` are given) and solve for ``budget``."""
+    """Profile ``chain`` (unless ``costs`` are given) and solve for ``budget``.
+
+    With ``calibrate=True``, XLA measures the compiled step of each candidate schedule and the
+    budget is corrected until the measured peak fits (:func:`jaxremat.calibrate.calibrated_solve`;
+    a few compilations), so the plan's memory is what XLA uses rather than what the cost model
+    predicts.
+    """
     if costs is None:
         costs = profile(chain, variables, sample, method=method, **profile_options)
-    return Plan(solve(costs, budget, algorithm=algorithm, slots=slots), signature(chain, variables, sample))
+    if calibrate:
+        from jaxremat.calibrate import calibrated_solve, step_temp
+
+        measure = functools.partial(step_temp, chain, variables, sample)
+        schedule = calibrated_solve(costs, budget, measure, algorithm=algorithm, slots=slots).schedule
+    else:
+        schedule = solve(costs, budget, algorithm=algorithm, slots=slots)
+    return Plan(schedule, signature(chain, variables, sample))
 

@@ -61,6 +61,10 @@ def plot_comparison(cmp: "Comparison", path: str | Path) -> Path:
     if matched:
         ax.scatter([p.temp / MIB for p in matched], [cmp.overhead(p) for p in matched], facecolors="none",
                    edgecolors="C0", s=60, label="jaxremat at a manual strategy's memory", zorder=3)
+    calibrated = [p for p in timed if p.kind == "calibrated"]
+    if calibrated:
+        ax.scatter([p.temp / MIB for p in calibrated], [cmp.overhead(p) for p in calibrated], color="C2", marker="^",
+                   s=40, label="jaxremat calibrated to a manual strategy's memory", zorder=3)
     manual = [p for p in timed if p.kind == "manual"]
     ax.scatter([p.temp / MIB for p in manual], [cmp.overhead(p) for p in manual], color="C3", marker="x", s=50,
                label="manual strategies", zorder=4)

@@ -30,6 +30,7 @@ class RematChain:
         algorithm: str = "optimal",
         profile: str = "measure",
         slots: int = 500,
+        calibrate: bool = False,
         mutable: tuple[str, ...] = (),
         rng_streams: tuple[str, ...] = (),
         plan: Plan | None = None,
@@ -37,6 +38,7 @@ class RematChain:
         self.model = model
         self.chain = Chain.from_linen(model, mutable=mutable, rng_streams=rng_streams)
         self.budget, self.algorithm, self.method, self.slots = budget, algorithm, profile, slots
+        self.calibrate = calibrate
         self._costs: dict[str, ChainCosts] = {}  # by signature
         self._plans: dict[str, Plan] = {}
         if plan is not None:
@@ -63,13 +65,10 @@ class RematChain:
         return self._plans[key]
 
     def _make_plan(self, key: str, variables: Any, x: Any) -> None:
-        if key in self._costs:  # same shapes, new budget: solve again, no profiling
-            schedule = solve(self._costs[key], self.budget, algorithm=self.algorithm, slots=self.slots)
-            self._plans[key] = Plan(schedule, key)
-            return
         p = plan(
             self.chain, variables, x, self.budget, algorithm=self.algorithm, method=self.method, slots=self.slots,
-            quiet=True,
+            costs=self._costs.get(key),  # same shapes, new budget: solve again, no profiling
+            calibrate=self.calibrate, quiet=True,
         )
         self._costs[key] = p.costs
         self._plans[key] = p
@@ -93,7 +92,8 @@ def remat_chain(budget: Any, **options: Any):
     Use on an instance, ``remat_chain("40%")(model)``, or as a class decorator on a module class
     whose instances are ``nn.Sequential`` (``@remat_chain("40%") class Net(nn.Sequential): ...``),
     in which case calling the class returns the wrapped instance. Options: ``algorithm``,
-    ``profile`` ("measure" or "xla"), ``slots``, ``mutable``, ``rng_streams``, ``plan``.
+    ``profile`` ("measure" or "xla"), ``slots``, ``calibrate`` (correct the plan with XLA's
+    measured memory, see :func:`jaxremat.plan`), ``mutable``, ``rng_streams``, ``plan``.
     """
 
     def wrap(model: Any) -> Any:

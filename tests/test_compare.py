@@ -43,10 +43,13 @@ def test_comparison_measures_manual_and_jaxremat_points_against_no_remat():
     assert top and top[0].temp == by["no remat"].temp and cmp.flops_ratio(top[0]) == 1.0  # store-all = no remat
     matched = cmp.matched()
     assert len(matched) == len(by) - 1
-    for manual, asked, best in matched:
+    for manual, asked, calibrated, best in matched:
         assert asked is not None and asked.budget == manual.temp + int(costs.x[0])
         if best is not None:
             assert best.temp <= manual.temp
+        assert calibrated is not None
+        if calibrated.times:  # calibrated: XLA-measured within the manual strategy's memory, by construction
+            assert calibrated.temp <= manual.temp
     rows = cmp.rows()
     assert len(rows) == len(cmp.points) and {"temp_bytes", "total_bytes", "time_over_no_remat"} <= set(rows[0])
 

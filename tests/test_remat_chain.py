@@ -91,3 +91,18 @@ def test_class_decorator_and_bad_budgets():
         tiny.apply(v, x)
     with pytest.raises(ValueError, match="list of linen modules or an nn.Sequential"):
         jr.remat_chain("50%")(nn.Dense(3))
+
+
+def test_calibrated_remat_chain_keeps_its_memory_promise_under_jit():
+    from jaxremat.calibrate import step_temp
+
+    model = mlp()
+    wrapped = jr.remat_chain("50%", profile="xla", calibrate=True)(model)
+    x = jax.random.normal(jax.random.key(0), (64, 16))
+    v = wrapped.init(jax.random.key(1), x)
+    g = jr.jit(jax.grad(loss_fn(wrapped.apply)))(v, x)  # planned while the step is traced
+    ref = jax.jit(jax.grad(loss_fn(model.apply)))(v, x)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, ref)
+    p = wrapped.plan(v, x)
+    measured = step_temp(wrapped.chain, v, x, p.schedule) + int(p.costs.x[0])
+    assert measured <= p.schedule.budget

@@ -1,0 +1,132 @@
+"""jaxremat against hand-written jax.checkpoint strategies on one GPU, at realistic sizes.
+
+    python benchmarks/gpu_check.py            # GPT-style and ResNet-style models, under 8 minutes on one GPU
+    python benchmarks/gpu_check.py --tiny     # the same on small sizes (runs on a CPU, for testing)
+
+For each model: compile the training step (loss and gradients) under every manual strategy and
+under jaxremat ``"optimal"`` asked for each strategy's compiled memory, then run them in order of
+increasing compiled memory and read the device's ``peak_bytes_in_use`` after each (the peak only
+grows, so each reading is that step's peak as long as the order holds; a reading that did not
+grow is marked ``<=``). Times: median of timed calls synchronised with ``block_until_ready``.
+Prints a short table last and writes it to ``benchmarks/results/gpu_check.md`` with the card
+and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+import jaxremat as jr
+from jaxremat import compare
+from jaxremat.models import gpt, resnet, sample_input
+
+SIZES = {
+    # name: (factory, kwargs, input shape, dtype)
+    "GPT-2-small-style, 12 blocks, width 768, 12 heads, vocab 32768, 8 x 1024 tokens": (
+        gpt, dict(blocks=12, width=768, heads=12, vocab=32768), (8, 1024), "int32"),
+    "ResNet-style, (3, 4, 6, 3) blocks, width 64, 64 x 224x224x3": (
+        resnet, dict(blocks=(3, 4, 6, 3), width=64, classes=1000), (64, 224, 224, 3), "float32"),
+}
+TINY = {
+    "GPT-style tiny": (gpt, dict(blocks=4, width=64, heads=2, vocab=128), (2, 32), "int32"),
+    "ResNet-style tiny": (resnet, dict(blocks=(1, 1), width=8, classes=10), (4, 16, 16, 3), "float32"),
+}
+MANUAL = ("no remat", "remat every block", "checkpoint whole chain", "policy dots_saveable",
+          "policy dots_with_no_batch_dims_saveable")
+
+
+def device_bytes(key: str) -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats or key not in stats else int(stats[key])
+
+
+def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: int) -> list[list[str]]:
+    model = factory(**kwargs)
+    x = sample_input(shape, dtype, high=kwargs.get("vocab", 2))
+    chain = jr.Chain.from_linen(model)
+    v = model.init(jax.random.key(0), x)
+    per = chain.split(v)
+    params = [u.get("params", {}) for u in per]
+    costs = jr.profile(chain, v, x, method="measure", quiet=True)
+    x0 = int(costs.x[0])
+    manual = compare.manual_strategies(chain)
+    k = max(2, round(math.sqrt(len(chain))))
+    names = [n for n in manual if n in MANUAL or n.startswith(f"checkpoint every {k} blocks")]
+    points = [compare.compile_point(compare.Point(n, "manual"), compare.training_step(manual[n], per), params, x)
+              for n in names]
+    for m in list(points[1:]):
+        try:
+            sched = jr.solve(costs, m.temp + x0)
+        except jr.InfeasibleBudget as e:
+            print(f"  jaxremat at {m.strategy}'s memory: does not fit (least {jr.format_bytes(e.min_budget)})")
+            continue
+        f = jr.execute(chain, sched)
+        step = compare.training_step(lambda vs, a, f=f: f(chain.merge(vs), a)[0], per)
+        p = compare.Point(f"jaxremat at '{m.strategy}'", "matched", predicted_peak=sched.peak - x0,
+                          predicted_overhead=sched.overhead, matches=m.strategy)
+        points.append(compare.compile_point(p, step, params, x))
+    base_in_use = device_bytes("bytes_in_use")
+    rows, last_peak = [], None
+    for p in sorted(points, key=lambda p: p.temp):  # increasing compiled memory: the peak only grows
+        out = p.compiled(params, x)
+        jax.block_until_ready(out)
+        del out
+        peak = device_bytes("peak_bytes_in_use")
+        grew = last_peak is None or peak is None or peak > last_peak
+        last_peak = peak
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(p.compiled(params, x))
+            p.times.append(time.perf_counter() - t0)
+        p.note = "n/a" if peak is None else ("" if grew else "<=") + jr.format_bytes(peak - (base_in_use or 0))
+    base = next(p for p in points if p.strategy == "no remat")
+    for p in points:
+        rows.append([label, p.strategy, jr.format_bytes(p.temp),
+                     "" if p.predicted_peak is None else jr.format_bytes(p.predicted_peak), p.note,
+                     f"{p.time * 1e3:.1f}", f"{p.time / base.time:.2f}",
+                     "" if p.predicted_overhead is None else f"{p.predicted_overhead:.2f}"])
+        p.compiled = None
+    return rows
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="small sizes (for a CPU)")
+    parser.add_argument("--calls", type=int, default=10, help="timed calls per strategy (default 10)")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    dev = jax.devices()[0]
+    card = getattr(dev, "device_kind", dev.platform)
+    t_start = time.perf_counter()
+    rows = []
+    for label, (factory, kwargs, shape, dtype) in (TINY if args.tiny else SIZES).items():
+        print(f"{label} ...", flush=True)
+        rows += check(label, factory, kwargs, shape, dtype, args.calls)
+    head = ["model", "strategy", "XLA temp", "predicted", "peak_bytes_in_use - before", "step ms", "over no remat",
+            "predicted over store-all"]
+    lines = [
+        f"# GPU check: {card}, {datetime.date.today().isoformat()}, jax {jax.__version__}",
+        "",
+        f"Command: `python benchmarks/gpu_check.py{' --tiny' if args.tiny else ''}` "
+        f"({time.perf_counter() - t_start:.0f} s in all)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *["| " + " | ".join(r) + " |" for r in rows],
+    ]
+    text = "\n".join(lines) + "\n"
+    if not args.no_write and not args.tiny:
+        (Path(__file__).resolve().parent / "results" / "gpu_check.md").write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,129 @@
+"""Calibrated planning: solve, let XLA measure the compiled step, correct the budget, repeat.
+
+The cost model predicts XLA's memory closely but not exactly (fusion keeps a little less than a
+stage's profiled residuals, some blocks keep a little more). :func:`calibrated_solve` closes the
+gap with XLA in the loop: it solves for a working budget, compiles the training step under the
+schedule, and moves the working budget by the measured error (down by any excess, up by any
+slack) until the measured peak is within a hair of the budget. It returns the fastest schedule
+(by predicted time) whose *measured* peak fits, so the memory promised is the memory XLA uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxremat.chain import Chain
+from jaxremat.costs import ChainCosts
+from jaxremat.executor import _UNDER_REMAT_JIT, compiler_options, execute
+from jaxremat.schedule import InfeasibleBudget, Schedule
+from jaxremat.solvers import budget_bytes, min_budget, solve
+
+
+def _loss(out: Any) -> jax.Array:
+    return sum(jnp.mean(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(out))
+
+
+def training_step(forward: Callable[[list, Any], Any], per_stage: list) -> Callable[[list, Any], tuple[jax.Array, list]]:
+    """``step(params, x) -> (loss, grads)`` for a forward over per-stage variables; the loss is the
+    mean square of the output (memory and time depend on what is kept, not on the loss)."""
+    rest = [{k: v for k, v in u.items() if k != "params"} for u in per_stage]
+
+    def step(params: list, x: Any) -> tuple[jax.Array, list]:
+        def loss(params: list) -> jax.Array:
+            return _loss(forward([{**r, "params": p} for r, p in zip(rest, params)], x))
+
+        return jax.value_and_grad(loss)(params)
+
+    return step
+
+
+def compile_step(step: Callable, params: list, x: Any) -> Any:
+    """``jax.jit(step)`` compiled with :func:`~jaxremat.compiler_options` (real remat on the CPU)."""
+    token = _UNDER_REMAT_JIT.set(True)  # compiled with the options: no warning
+    try:
+        return jax.jit(step).lower(params, x).compile(compiler_options() or None)
+    finally:
+        _UNDER_REMAT_JIT.reset(token)
+
+
+def step_temp(chain: Chain, variables: Any, x: Any, schedule: Schedule) -> int:
+    """XLA's ``temp_size_in_bytes`` of a training step of ``chain`` that follows ``schedule``
+    (compiled from shapes alone, so ``variables`` and ``x`` may be tracers)."""
+    f = execute(chain, schedule)
+
+    def step(per_stage: list, x: Any) -> tuple[jax.Array, list]:
+        rngs = {s: jax.random.key(1) for st in chain.stages for s in st.rng_streams} or None
+        return training_step(lambda vs, a: f(chain.merge(vs), a, rngs)[0], per_stage)(
+            [u.get("params", {}) for u in per_stage], x
+        )
+
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), (chain.split(variables), x))
+    return int(compile_step(step, *shapes).memory_analysis().temp_size_in_bytes)
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """The result of :func:`calibrated_solve`: the schedule, its XLA-measured peak (input
+    included, like the plan's), and every (working budget, predicted, measured) tried."""
+
+    schedule: Schedule
+    measured_peak: int
+    tries: tuple[tuple[int, int, int], ...]
+
+
+def calibrated_solve(
+    costs: ChainCosts,
+    budget: Any,
+    measure: Callable[[Schedule], int],
+    *,
+    algorithm: str = "optimal",
+    slots: int = 500,
+    tries: int = 5,
+    tolerance: float = 0.01,
+) -> Calibrated:
+    """The fastest schedule whose measured peak fits ``budget``.
+
+    ``measure(schedule)`` returns XLA's temp bytes of the step under the schedule (e.g.
+    ``functools.partial(step_temp, chain, variables, x)``); the input ``a_0`` is added, as the
+    plan counts it. At most ``tries`` compilations; stops early once a schedule's measured peak
+    is within ``tolerance`` of the budget. Raises :class:`InfeasibleBudget` when no schedule
+    tried fits.
+    """
+    target = budget_bytes(costs, budget)
+    x0 = int(costs.x[0])
+    least = min_budget(costs, algorithm=algorithm, slots=slots)
+    seen: dict[tuple, int] = {}
+    log: list[tuple[int, int, int]] = []
+    best: tuple[Schedule, int] | None = None
+    work, step_up = target, 0
+    for _ in range(tries):
+        work = max(work, least)
+        sched = solve(costs, work, algorithm=algorithm, slots=slots)
+        key = tuple(sched.ops)
+        fresh = key not in seen
+        if fresh:
+            seen[key] = measure(sched) + x0
+        got = seen[key]
+        log.append((work, sched.peak, got))
+        if got <= target and (best is None or sched.time < best[0].time):
+            best = (sched, got)
+        if got <= target and got >= target * (1 - tolerance):
+            break
+        if got > target:
+            if work == least:
+                break  # the least budget already measures over the target
+            work -= got - target
+        else:
+            step_up = max(target - got, step_up * 2 if not fresh else 0, 1)
+            work += step_up  # slack: ask for more (twice as much more when the schedule did not change)
+    if best is None:
+        raise InfeasibleBudget(
+            algorithm, target, log[-1][2] if log else least,
+            note="measured by XLA: the least-memory schedule tried compiles to this much",
+        )
+    return Calibrated(best[0], best[1], tuple(log))

@@ -1,0 +1,50 @@
+"""Calibrated planning: the schedule returned fits the budget as XLA measures it."""
+
+import functools
+
+import jax
+import pytest
+
+import jaxremat as jr
+from jaxremat.calibrate import calibrated_solve, step_temp
+from jaxremat.models import mixer, sample_input
+from jaxremat.profiler import Rates
+
+
+def costs_of_demo_chain() -> jr.ChainCosts:
+    L = 12
+    x = [1000] + [4000 if i % 3 else 1000 for i in range(L)]
+    return jr.ChainCosts(x=x, xbar=[3 * v for v in x[1:]], fwd=[1.0] * L, bwd=[2.0] * L,
+                         fwd_tmp=[0] * L, bwd_tmp=[500] * L)
+
+
+@pytest.mark.parametrize("factor", [0.7, 0.9, 1.0, 1.15, 1.3])
+def test_fits_whatever_the_measurement_error(factor):
+    costs = costs_of_demo_chain()
+    x0 = int(costs.x[0])
+    measure = lambda s: int(factor * s.peak) - x0  # noqa: E731  a model that is off by `factor`
+    budget = int(0.5 * jr.store_all_peak(costs))
+    cal = calibrated_solve(costs, budget, measure, tries=8)
+    assert cal.measured_peak <= budget
+    assert cal.measured_peak == int(factor * cal.schedule.peak)
+    if factor <= 1.0:  # slack is used: never slower than solving for the budget directly
+        assert cal.schedule.time <= jr.solve(costs, budget).time
+
+
+def test_no_schedule_fits_raises_with_what_was_measured():
+    costs = costs_of_demo_chain()
+    with pytest.raises(jr.InfeasibleBudget, match="measured by XLA"):
+        calibrated_solve(costs, jr.min_budget(costs), lambda s: 10 * s.peak)
+
+
+def test_with_xla_in_the_loop():
+    model = mixer(blocks=4, patch=2, width=32)
+    x = sample_input((4, 8, 8, 3))
+    chain = jr.Chain.from_linen(model)
+    v = model.init(jax.random.key(0), x)
+    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True)
+    budget = int(0.4 * jr.store_all_peak(costs))
+    cal = calibrated_solve(costs, budget, functools.partial(step_temp, chain, v, x))
+    assert cal.measured_peak <= budget
+    assert cal.measured_peak == step_temp(chain, v, x, cal.schedule) + int(costs.x[0])
+    assert len(cal.tries) <= 5
