@@ -21,7 +21,7 @@ from jaxremat.chain import Chain
 from jaxremat.costs import ChainCosts
 from jaxremat.executor import _UNDER_REMAT_JIT, compiler_options, execute
 from jaxremat.schedule import InfeasibleBudget, Schedule
-from jaxremat.solvers import budget_bytes, min_budget, solve
+from jaxremat.solvers import budget_bytes, min_budget, solve, store_all_peak
 
 
 def _loss(out: Any) -> jax.Array:
@@ -83,7 +83,7 @@ def calibrated_solve(
     *,
     algorithm: str = "optimal",
     slots: int = 500,
-    tries: int = 5,
+    tries: int = 6,
     tolerance: float = 0.01,
 ) -> Calibrated:
     """The fastest schedule whose measured peak fits ``budget``.
@@ -97,33 +97,52 @@ def calibrated_solve(
     target = budget_bytes(costs, budget)
     x0 = int(costs.x[0])
     least = min_budget(costs, algorithm=algorithm, slots=slots)
+    ceiling = max(store_all_peak(costs), target) * 4  # no schedule changes above the store-all peak
     seen: dict[tuple, int] = {}
     log: list[tuple[int, int, int]] = []
     best: tuple[Schedule, int] | None = None
-    work, step_up = target, 0
+    fits, over = least - 1, ceiling + 1  # working budgets known to fit (measured) and to be over
+    work = max(target, least)
     for _ in range(tries):
-        work = max(work, least)
         sched = solve(costs, work, algorithm=algorithm, slots=slots)
-        key = tuple(sched.ops)
-        fresh = key not in seen
-        if fresh:
-            seen[key] = measure(sched) + x0
-        got = seen[key]
+        seen[tuple(sched.ops)] = got = measure(sched) + x0
         log.append((work, sched.peak, got))
-        if got <= target and (best is None or sched.time < best[0].time):
-            best = (sched, got)
-        if got <= target and got >= target * (1 - tolerance):
-            break
-        if got > target:
-            if work == least:
-                break  # the least budget already measures over the target
-            work -= got - target
+        if got <= target:
+            if best is None or sched.time < best[0].time:
+                best = (sched, got)
+            if got >= target * (1 - tolerance):
+                break
+            fits = max(fits, work)
         else:
-            step_up = max(target - got, step_up * 2 if not fresh else 0, 1)
-            work += step_up  # slack: ask for more (twice as much more when the schedule did not change)
+            over = min(over, work)
+        work = _next_budget(costs, work, work + (target - got), fits, over, seen, algorithm, slots)
+        if work is None:
+            break
     if best is None:
         raise InfeasibleBudget(
-            algorithm, target, log[-1][2] if log else least,
+            algorithm, target, min(g for _, _, g in log) if log else least,
             note="measured by XLA: the least-memory schedule tried compiles to this much",
         )
     return Calibrated(best[0], best[1], tuple(log))
+
+
+def _next_budget(
+    costs: ChainCosts, base: int, proposal: int, fits: int, over: int, seen: dict, algorithm: str, slots: int
+) -> int | None:
+    """A working budget strictly between ``fits`` and ``over`` whose schedule was not measured
+    yet: ``proposal`` (the last budget ``base`` corrected by the measured error) if it qualifies,
+    else stepping on in the same direction by doubling steps; ``None`` when there is none."""
+    lo, hi = fits + 1, over - 1
+    up = proposal >= base
+    step = max(abs(proposal - base), 1)
+    work = proposal
+    for _ in range(40):  # solving is cheap next to compiling
+        work = min(max(work, lo), hi)
+        if lo > hi:
+            return None
+        if tuple(solve(costs, work, algorithm=algorithm, slots=slots).ops) not in seen:
+            return work
+        if (up and work == hi) or (not up and work == lo):
+            return None
+        work, step = work + step if up else work - step, step * 2
+    return None
