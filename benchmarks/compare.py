@@ -54,6 +54,18 @@ def main() -> None:
         f"below {bench.NOISE:.0%} of the no-remat time are called noise. "
         f"Command: `python benchmarks/compare.py --models {' '.join(args.models)}`",
         "",
+        "How to read it. For each hand-written strategy, jaxremat `\"optimal\"` is given that strategy's "
+        "XLA-measured temp memory (plus the input, which the plan counts) as its budget twice: *asked* solves "
+        "on the profiled cost model alone; *calibrated* (`calibrate=True`) also compiles candidate schedules "
+        "and corrects the budget by XLA's measured error until the measured memory fits. A result is a win "
+        "when jaxremat is no slower (within noise) in no more memory. Where it loses, the reasons seen here: "
+        "(1) per-block policies such as `dots_saveable` keep part of a block (its matmul outputs) and "
+        "recompute the rest, a finer choice than the chain model's per-block keep-all / keep-input / "
+        "keep-nothing; (2) without calibration, the cost model's error (XLA temp 0.7-1.2x the prediction) "
+        "either wastes the budget or exceeds it; (3) on this CPU, steps that allocate less memory can run "
+        "faster than no remat despite extra flops (times below 1.00), which the cost model, counting "
+        "compute only, does not predict, so it does not seek such schedules.",
+        "",
     ]
     (out / "compare.md").write_text("\n".join(head + sections))
     print(f"wrote {out / 'compare.md'}")

@@ -11,6 +11,7 @@ from jaxremat.executor import compiler_options, execute, jit
 from jaxremat.plans import Plan, load_plan, plan
 from jaxremat.profiler import profile
 from jaxremat.remat_chain import RematChain, remat_chain
+from jaxremat.remat_nnx import RematSequential, remat_nnx
 from jaxremat.schedule import InfeasibleBudget, Schedule, StageDecision
 from jaxremat.simulate import simulate
 from jaxremat.solvers import ALGORITHMS, min_budget, pareto, solve, store_all_peak
@@ -25,6 +26,8 @@ __all__ = [
     "InfeasibleBudget",
     "Plan",
     "RematChain",
+    "RematSequential",
+    "remat_nnx",
     "load_plan",
     "plan",
     "remat_chain",
