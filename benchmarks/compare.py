@@ -61,7 +61,7 @@ def main() -> None:
         "when jaxremat is no slower (within noise) in no more memory. Where it loses, the reasons seen here: "
         "(1) per-block policies such as `dots_saveable` keep part of a block (its matmul outputs) and "
         "recompute the rest, a finer choice than the chain model's per-block keep-all / keep-input / "
-        "keep-nothing; (2) without calibration, the cost model's error (XLA temp 0.7-1.2x the prediction) "
+        "keep-nothing; (2) without calibration, the cost model's error (XLA temp 0.6-1.2x the prediction) "
         "either wastes the budget or exceeds it; (3) on this CPU, steps that allocate less memory can run "
         "faster than no remat despite extra flops (times below 1.00), which the cost model, counting "
         "compute only, does not predict, so it does not seek such schedules.",

@@ -1,6 +1,6 @@
 """Train a ResNet-style CNN on synthetic images under a memory budget (about a minute on a CPU).
 
-    python examples/train_resnet.py [--steps 40] [--budget 40%]
+    python examples/train_resnet.py [--steps 40] [--budget 50%]
 
 Ten classes of 32x32 images, each a fixed random pattern plus noise. The same model trains with
 and without the plan from the same seeds: the losses agree, the step uses less memory, and the
@@ -36,7 +36,7 @@ def batches(seed: int = 0):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--budget", default="40%")
+    parser.add_argument("--budget", default="50%")
     args = parser.parse_args()
     model = resnet(blocks=(2, 2, 2), width=16, classes=CLASSES)
     wrapped = jr.remat_chain(args.budget)(model)

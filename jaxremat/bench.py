@@ -90,6 +90,16 @@ def sweep_table(cmp: Comparison) -> list[str]:
     return lines
 
 
+def noise_check(cmp: Comparison) -> str:
+    """A sentence on timing noise: jaxremat at the store-all budget runs no remat's computation."""
+    same = [p for p in cmp.points if p.kind == "jaxremat" and p.times and p.flops == cmp.baseline.flops
+            and p.temp == cmp.baseline.temp]
+    if not same:
+        return ""
+    return (f" Noise check: jaxremat at the store-all budget compiles to the same flops and memory as no remat "
+            f"and measured {cmp.overhead(same[0]):.2f}.")
+
+
 def markdown(cmp: Comparison, plot: str | None = None) -> str:
     """The model's section of the results: strategies, jaxremat's sweep, the plot."""
     def ok(w: str) -> bool:
@@ -105,7 +115,7 @@ def markdown(cmp: Comparison, plot: str | None = None) -> str:
         f"Times and flops are over no remat; temp is XLA's `temp_size_in_bytes` (total adds arguments "
         f"and outputs: parameters, input, loss and gradients). jaxremat asked for a manual strategy's "
         f"memory: no slower within that memory for {sum(map(ok, asked))} of {len(asked)}; calibrated with "
-        f"XLA in the loop: {sum(map(ok, cal))} of {len(cal)}.",
+        f"XLA in the loop: {sum(map(ok, cal))} of {len(cal)}.{noise_check(cmp)}",
         "",
         *strategies_table(cmp),
         "",

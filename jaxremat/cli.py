@@ -162,7 +162,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
     model, chain, variables, x = prepare(args)
     run_demo(args.model, model, chain, variables, x, args.budget, steps=args.steps, method=args.method,
-             quiet=args.quiet)
+             quiet=args.quiet, calibrate=args.calibrate)
 
 
 # -- the parser ------------------------------------------------------------------------------------
@@ -208,6 +208,8 @@ def parser() -> argparse.ArgumentParser:
     _model_args(d, "resnet")
     d.add_argument("--budget", default="50%", help="bytes, '512MiB' or a share of the store-all peak (default 50%%)")
     d.add_argument("--steps", type=int, default=5, help="training steps to run under the plan (default 5)")
+    d.add_argument("--calibrate", action="store_true",
+                   help="correct the plan with XLA's measured memory (a few more compilations)")
     d.set_defaults(run=cmd_demo)
     return top
 

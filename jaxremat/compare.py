@@ -222,13 +222,14 @@ def compare(
     algorithms: Sequence[str] = ("optimal", "revolve", "sqrt"),
     manual: Sequence[str] | None = None,
     match: bool = True,
+    schedules: Sequence[Schedule] = (),
     rounds: int = 6,
     progress: Callable[[str], None] | None = None,
 ) -> Comparison:
     """Measure the manual strategies and jaxremat's schedules for ``chain`` on input ``x``.
 
     ``budgets``: jaxremat's sweep (bytes, strings such as ``"40%"``); by default eight budgets
-    from the least that fits to the store-all peak. With ``match``, jaxremat ``"optimal"`` is
+    from the least that fits to the store-all peak; ``schedules`` are measured as well. With ``match``, jaxremat ``"optimal"`` is
     also asked for each manual strategy's XLA-measured temp memory (plus the input, which the
     plan counts and XLA's temp does not). ``progress`` receives a line per compiled point.
     """
@@ -273,6 +274,10 @@ def compare(
                 continue
             name = f"jaxremat {algorithm} @ {sched.budget}"
             points.append(run_schedule(_schedule_point(name, "jaxremat", sched, x0), sched))
+
+    for sched in schedules:
+        name = f"jaxremat {sched.algorithm} @ {sched.budget}"
+        points.append(run_schedule(_schedule_point(name, "jaxremat", sched, x0), sched))
 
     if match:
         for m in [p for p in points if p.kind == "manual" and p.strategy != "no remat"]:

@@ -50,14 +50,14 @@ def train(chain: Chain, forward: Any, variables: Any, x: Any, steps: int) -> tup
 
 def run_demo(
     label: str, model: Any, chain: Chain, variables: Any, x: Any, budget: Any = "50%", *, steps: int = 5,
-    method: str = "measure", quiet: bool = False,
+    method: str = "measure", quiet: bool = False, calibrate: bool = False,
 ) -> None:
     shapes = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", x)
     print(f"jaxremat demo: {label} ({type(model).__name__}, {len(chain)} stages), input {shapes}\n")
     costs, stages = profile_stages(chain, variables, x, method=method, quiet=quiet)
     b = budget_bytes(costs, budget)
     print(report(stages), "\n")
-    p = make_plan(chain, variables, x, b, costs=costs)
+    p = make_plan(chain, variables, x, b, costs=costs, calibrate=calibrate)
     print(p.report(), "\n")
 
     f = execute(chain, p.schedule)
@@ -68,8 +68,8 @@ def run_demo(
           f"({per_step * 1e3:.1f} ms/step); the plain model's losses differ by at most {diff:.2g}\n")
 
     print("measuring the training step under each strategy with XLA (compiled for real remat on the CPU)...")
-    cmp = compare(label, chain, variables, x, costs, budgets=[b], algorithms=("optimal",), manual=MANUAL,
-                  match=False)
+    cmp = compare(label, chain, variables, x, costs, budgets=[], algorithms=("optimal",), manual=MANUAL,
+                  match=False, schedules=[p.schedule])
     x0 = int(costs.x[0])
     print(f"\n{'strategy':<34} {'XLA temp':>11} {'predicted':>11} {'flops':>6} {'time':>6}   (flops and time over no remat)")
     for q in cmp.points:
