@@ -35,8 +35,8 @@ SIZES = {
         resnet, dict(blocks=(3, 4, 6, 3), width=64, classes=1000), (64, 224, 224, 3), "float32"),
 }
 TINY = {
-    "GPT-style tiny": (gpt, dict(blocks=4, width=64, heads=2, vocab=128), (2, 32), "int32"),
-    "ResNet-style tiny": (resnet, dict(blocks=(1, 1), width=8, classes=10), (4, 16, 16, 3), "float32"),
+    "GPT-style tiny": (gpt, dict(blocks=2, width=32, heads=2, vocab=64), (2, 16), "int32"),
+    "ResNet-style tiny": (resnet, dict(blocks=(1, 1), width=8, classes=10), (2, 8, 8, 3), "float32"),
 }
 MANUAL = ("no remat", "remat every block", "checkpoint whole chain", "policy dots_saveable",
           "policy dots_with_no_batch_dims_saveable")
@@ -101,12 +101,15 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--tiny", action="store_true", help="small sizes (for a CPU)")
     parser.add_argument("--calls", type=int, default=10, help="timed calls per strategy (default 10)")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--only", help="run only the models whose name contains this")
     args = parser.parse_args(argv)
     dev = jax.devices()[0]
     card = getattr(dev, "device_kind", dev.platform)
     t_start = time.perf_counter()
     rows = []
     for label, (factory, kwargs, shape, dtype) in (TINY if args.tiny else SIZES).items():
+        if args.only and args.only not in label:
+            continue
         print(f"{label} ...", flush=True)
         rows += check(label, factory, kwargs, shape, dtype, args.calls)
     head = ["model", "strategy", "XLA temp", "predicted", "peak_bytes_in_use - before", "step ms", "over no remat",

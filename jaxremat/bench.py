@@ -131,7 +131,8 @@ def markdown(cmp: Comparison, plot: str | None = None) -> str:
 
 def run(
     label: str, model: Any, x: Any, out_dir: str | Path, *, name: str, method: str = "measure",
-    rounds: int = 6, quiet: bool = False, plot: bool = True, variables: Any = None,
+    rounds: int = 6, quiet: bool = False, plot: bool = True, variables: Any = None, points: int = 8,
+    manual: Any = None,
 ) -> tuple[Comparison, str]:
     """Profile, compare and write ``{name}.csv`` (and ``{name}.png``) under ``out_dir``;
     returns the comparison and its markdown section."""
@@ -142,7 +143,7 @@ def run(
         variables = model.init(jax.random.key(0), x) if not isinstance(model, Chain) else chain.init(jax.random.key(0), x)
     costs = profile(chain, variables, x, method=method, quiet=quiet)
     say = None if quiet else (lambda s: print("  " + s, flush=True))
-    cmp = compare(label, chain, variables, x, costs, rounds=rounds, progress=say)
+    cmp = compare(label, chain, variables, x, costs, rounds=rounds, progress=say, n_budgets=points, manual=manual)
     write_csv(cmp, out_dir / f"{name}.csv")
     png = None
     if plot:

@@ -151,7 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     out = Path(args.out)
     name = args.model.replace(":", "_").replace(".", "_")
     _, md = bench.run(args.model, chain, x, out, name=name, method=args.method, rounds=args.rounds, quiet=args.quiet,
-                      plot=not args.no_plot, variables=variables)
+                      plot=not args.no_plot, variables=variables, points=args.points, manual=args.manual)
     (out / f"{name}.md").write_text(md)
     print(md)
     print(f"results written under {out}/")
@@ -198,6 +198,10 @@ def parser() -> argparse.ArgumentParser:
     _model_args(b, None)
     b.add_argument("--out", default="jaxremat-bench", help="folder for the CSV, markdown and PNG (default jaxremat-bench)")
     b.add_argument("--rounds", type=int, default=6, help="timing rounds (each 5 calls per strategy; default 6)")
+    b.add_argument("--points", type=int, default=8, help="budgets in jaxremat's sweep (default 8)")
+    b.add_argument("--manual", nargs="+", metavar="NAME",
+                   help="only these hand-written strategies (e.g. 'remat every block' 'policy dots_saveable'); "
+                   "default all")
     b.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     b.set_defaults(run=cmd_bench)
 

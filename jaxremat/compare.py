@@ -223,12 +223,13 @@ def compare(
     manual: Sequence[str] | None = None,
     match: bool = True,
     schedules: Sequence[Schedule] = (),
+    n_budgets: int = 8,
     rounds: int = 6,
     progress: Callable[[str], None] | None = None,
 ) -> Comparison:
     """Measure the manual strategies and jaxremat's schedules for ``chain`` on input ``x``.
 
-    ``budgets``: jaxremat's sweep (bytes, strings such as ``"40%"``); by default eight budgets
+    ``budgets``: jaxremat's sweep (bytes, strings such as ``"40%"``); by default ``n_budgets`` budgets
     from the least that fits to the store-all peak; ``schedules`` are measured as well. With ``match``, jaxremat ``"optimal"`` is
     also asked for each manual strategy's XLA-measured temp memory (plus the input, which the
     plan counts and XLA's temp does not). ``progress`` receives a line per compiled point.
@@ -242,6 +243,9 @@ def compare(
     by_ops: dict[tuple, Point] = {}  # identical schedules are compiled once
 
     strategies = manual_strategies(chain, rngs)
+    unknown = sorted(set(manual or ()) - set(strategies))
+    if unknown:
+        raise ValueError(f"unknown manual strategies {unknown}; this chain has: {', '.join(strategies)}")
     for name, fwd in strategies.items():
         if manual is not None and name not in manual and name != "no remat":
             continue
@@ -265,7 +269,7 @@ def compare(
 
     least, top = min_budget(costs), store_all_peak(costs)
     if budgets is None:
-        budgets = [int(b) for b in np.linspace(least, top, 8)]
+        budgets = [int(b) for b in np.linspace(least, top, n_budgets)]
     for b in budgets:
         for algorithm in algorithms:
             try:

@@ -10,7 +10,7 @@ from jaxremat.profiler import Rates
 
 
 def small_mixer():
-    model = mixer(blocks=4, patch=2, width=32)
+    model = mixer(blocks=2, patch=2, width=32)
     x = sample_input((4, 8, 8, 3))
     return model, jr.Chain.from_linen(model), model.init(jax.random.key(0), x), x
 
@@ -34,8 +34,11 @@ def test_every_manual_strategy_gives_the_plain_loss_and_gradients():
 def test_comparison_measures_manual_and_jaxremat_points_against_no_remat():
     _, chain, v, x = small_mixer()
     costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True)
-    cmp = compare.compare("mixer", chain, v, x, costs, budgets=["40%", None], algorithms=("optimal",), rounds=1)
+    manual = ("remat every block", "policy dots_saveable")
+    cmp = compare.compare("mixer", chain, v, x, costs, budgets=["40%", None], algorithms=("optimal",), rounds=1,
+                          manual=manual)
     by = {p.strategy: p for p in cmp.points if p.kind == "manual"}
+    assert set(by) == {"no remat", *manual}
     assert by["remat every block"].temp < by["no remat"].temp  # remat is real: compiled with the options
     assert cmp.flops_ratio(by["remat every block"]) > 1.05
     assert cmp.overhead(cmp.baseline) == 1.0

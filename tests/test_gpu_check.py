@@ -9,8 +9,8 @@ import gpu_check  # noqa: E402
 
 
 def test_gpu_check_runs_tiny_and_prints_a_table(capsys):
-    text = gpu_check.main(["--tiny", "--calls", "1", "--no-write"])
-    rows = [line for line in text.splitlines() if line.startswith("| GPT-style tiny") or line.startswith("| ResNet")]
-    assert len(rows) >= 2 * 6  # every manual strategy of both models, and jaxremat where it fits
+    text = gpu_check.main(["--tiny", "--calls", "1", "--no-write", "--only", "GPT"])
+    rows = [line for line in text.splitlines() if line.startswith("| GPT-style tiny")]
+    assert len(rows) >= 6  # every manual strategy, and jaxremat where it fits
     assert any("no remat" in r for r in rows) and "peak_bytes_in_use" in text
     assert capsys.readouterr().out.rstrip().endswith(rows[-1])  # the table is printed last
