@@ -133,6 +133,33 @@ def _span(unit: Unit) -> tuple[int, int]:
     return (unit[1], unit[1] + 1) if unit[0] == "store" else (unit[1], unit[2])
 
 
+def _tied_checkpoint(body: Callable[[dict, dict, Any], tuple[Any, dict]]) -> Callable[..., tuple[Any, dict]]:
+    """``body(variables, keys, a) -> (out, updates)`` keeping only its inputs for the backward
+    pass, where it is recomputed once the output's cotangent has arrived.
+
+    ``jax.checkpoint``'s recomputation depends only on the saved input, so XLA may schedule it
+    as early as it likes (before later stages' backward has freed their memory); here the saved
+    inputs and the incoming cotangent pass one optimisation barrier together, so the
+    recomputation cannot start before the backward pass reaches this region.
+    """
+
+    @jax.custom_vjp
+    def region(owned: dict, keys: dict, a: Any) -> tuple[Any, dict]:
+        return body(owned, keys, a)
+
+    def fwd(owned: dict, keys: dict, a: Any) -> tuple[tuple[Any, dict], tuple]:
+        return body(owned, keys, a), (owned, keys, a)
+
+    def bwd(res: tuple, g: tuple[Any, Any]) -> tuple:
+        owned, keys, a, g_out = lax.optimization_barrier((*res, g[0]))
+        _, pull = jax.vjp(lambda owned, a: body(owned, keys, a)[0], owned, a)
+        d_owned, d_a = pull(g_out)
+        return d_owned, None, d_a
+
+    region.defvjp(fwd, bwd)
+    return region
+
+
 class _Runner:
     """Runs a schedule tree on one call's variables; runs of alike units go through ``lax.scan``."""
 
@@ -140,9 +167,10 @@ class _Runner:
         self.chain, self.per_stage, self.rngs, self.L, self.use_scan = chain, per_stage, rngs, len(chain), scan
 
     def stage(self, i: int, a: Any, updates: dict, env: tuple) -> Any:
-        variables, offset = env
+        variables, offset, keys = env
         v = variables.get(i, self.per_stage[i]) if variables else self.per_stage[i]
-        out, new = self.chain.stages[i].apply(v, a, stage_rngs(self.rngs, i + offset))
+        rngs = keys[i] if i in keys else stage_rngs(self.rngs, i + offset)
+        out, new = self.chain.stages[i].apply(v, a, rngs)
         if new:
             updates[i] = new
         return out
@@ -151,13 +179,18 @@ class _Runner:
         if unit[0] == "store":
             return self.stage(unit[1], a, updates, env)
         _, start, stop, inner = unit
+        variables, offset, keys = env
+        # everything the region reads is an explicit input (no closure over traced values), so
+        # that its recomputation can run in the backward pass, after the cotangent arrives
+        owned = {i: variables.get(i, self.per_stage[i]) if variables else self.per_stage[i] for i in range(start, stop)}
+        owned_keys = {i: keys[i] if i in keys else stage_rngs(self.rngs, i + offset) for i in range(start, stop)}
 
-        def body(a: Any) -> tuple[Any, dict]:
+        def body(owned: dict, owned_keys: dict, a: Any) -> tuple[Any, dict]:
             local: dict = {}
-            return self.run(inner, stop, a, local, env), local
+            return self.run(inner, stop, a, local, (owned, 0, owned_keys)), local
 
         _check_compile_options()
-        a, local = jax.checkpoint(body)(a)
+        a, local = _tied_checkpoint(body)(owned, owned_keys, a)
         updates.update(local)
         return a
 
@@ -179,7 +212,7 @@ class _Runner:
                 return False
         return True
 
-    def run(self, node: Node, stop: int, a: Any, updates: dict, env: tuple = ({}, 0)) -> Any:
+    def run(self, node: Node, stop: int, a: Any, updates: dict, env: tuple = ({}, 0, {})) -> Any:
         """Apply the stages of ``node`` below ``stop`` (the loss is not a stage)."""
         units, leaf = _units(node)
         i = 0
@@ -198,7 +231,7 @@ class _Runner:
         return a
 
     def keeps_shape(self, unit: Unit, a: Any) -> bool:
-        out = jax.eval_shape(lambda a: self.unit(unit, a, {}, ({}, 0)), a)
+        out = jax.eval_shape(lambda a: self.unit(unit, a, {}, ({}, 0, {})), a)
         same = lambda x, y: np.shape(x) == np.shape(y) and x.dtype == y.dtype  # noqa: E731
         return jax.tree.structure(out) == jax.tree.structure(a) and all(
             same(x, y) for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(a))
@@ -217,7 +250,7 @@ class _Runner:
         def body(a: Any, xs: tuple) -> tuple[Any, dict]:
             variables, u = xs
             local: dict = {}
-            return self.unit(first, a, local, (variables, u * k)), local
+            return self.unit(first, a, local, (variables, u * k, {})), local
 
         a, ys = lax.scan(body, a, (stacked, jnp.arange(n)))
         for i, tree in ys.items():
