@@ -36,6 +36,24 @@ def train(loss_fn: Callable, variables: Any, batches: Iterator, steps: int, jit:
     return losses, (time.perf_counter() - t0) / max(1, steps - 1), temp
 
 
+def run(name: str, model, budget, x0, batches, steps: int) -> None:
+    """Wrap ``model`` with ``remat_chain(budget)``, print the plan, train the plain and the wrapped
+    model from the same seeds on ``batches()`` (cross-entropy on integer labels) and report."""
+    import optax
+
+    wrapped = jr.remat_chain(budget)(model)
+    variables = wrapped.init(jax.random.key(0), x0)
+    plan = wrapped.plan(variables, x0)  # profiles the stages (cached on disk) and solves
+    print(plan.report())
+
+    def loss_fn(apply):
+        return lambda v, batch: optax.softmax_cross_entropy_with_integer_labels(apply(v, batch[0]), batch[1]).mean()
+
+    plain = train(loss_fn(model.apply), variables, batches(), steps, jax.jit)
+    remat = train(loss_fn(wrapped.apply), variables, batches(), steps, jr.jit)
+    report(name, plan, plain, remat)
+
+
 def report(name: str, plan: jr.Plan, plain: tuple, remat: tuple) -> None:
     (l0, t0, m0), (l1, t1, m1) = plain, remat
     diff = max(abs(a - b) for a, b in zip(l0, l1))

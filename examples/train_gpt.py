@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-import jaxremat as jr
 from jaxremat.models import gpt
 
-from _common import report, train  # noqa: E402  (same folder)
+from _common import run  # noqa: E402  (same folder)
 
 BATCH, TOKENS, VOCAB = 8, 128, 256
 
@@ -42,18 +39,7 @@ def main() -> None:
     parser.add_argument("--budget", default="35%")
     args = parser.parse_args()
     model = gpt(blocks=8, width=128, heads=4, vocab=VOCAB)
-    wrapped = jr.remat_chain(args.budget)(model)
-    x0 = jnp.zeros((BATCH, TOKENS), jnp.int32)
-    variables = wrapped.init(jax.random.key(0), x0)
-    plan = wrapped.plan(variables, x0)  # profiles the stages (cached on disk) and solves
-    print(plan.report())
-
-    def loss_fn(apply):
-        return lambda v, batch: optax.softmax_cross_entropy_with_integer_labels(apply(v, batch[0]), batch[1]).mean()
-
-    plain = train(loss_fn(model.apply), variables, batches(), args.steps, jax.jit)
-    remat = train(loss_fn(wrapped.apply), variables, batches(), args.steps, jr.jit)
-    report("GPT-style decoder", plan, plain, remat)
+    run("GPT-style decoder", model, args.budget, jnp.zeros((BATCH, TOKENS), jnp.int32), batches, args.steps)
 
 
 if __name__ == "__main__":

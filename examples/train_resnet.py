@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-import jaxremat as jr
 from jaxremat.models import resnet
 
-from _common import report, train  # noqa: E402  (same folder)
+from _common import run  # noqa: E402  (same folder)
 
 BATCH, CLASSES = 32, 10
 
@@ -39,18 +36,7 @@ def main() -> None:
     parser.add_argument("--budget", default="50%")
     args = parser.parse_args()
     model = resnet(blocks=(2, 2, 2), width=16, classes=CLASSES)
-    wrapped = jr.remat_chain(args.budget)(model)
-    x0 = jnp.zeros((BATCH, 32, 32, 3))
-    variables = wrapped.init(jax.random.key(0), x0)
-    plan = wrapped.plan(variables, x0)  # profiles the stages (cached on disk) and solves
-    print(plan.report())
-
-    def loss_fn(apply):
-        return lambda v, batch: optax.softmax_cross_entropy_with_integer_labels(apply(v, batch[0]), batch[1]).mean()
-
-    plain = train(loss_fn(model.apply), variables, batches(), args.steps, jax.jit)
-    remat = train(loss_fn(wrapped.apply), variables, batches(), args.steps, jr.jit)
-    report("ResNet-style CNN", plan, plain, remat)
+    run("ResNet-style CNN", model, args.budget, jnp.zeros((BATCH, 32, 32, 3)), batches, args.steps)
 
 
 if __name__ == "__main__":

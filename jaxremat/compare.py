@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxremat.calibrate import calibrated_solve, compile_step, training_step

@@ -10,7 +10,6 @@ from jaxremat.chain import Chain
 from jaxremat.costs import ChainCosts
 from jaxremat.executor import execute
 from jaxremat.plans import Plan, plan, signature
-from jaxremat.solvers import solve
 
 
 class RematChain:
