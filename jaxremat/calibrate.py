@@ -98,14 +98,15 @@ def calibrated_solve(
     x0 = int(costs.x[0])
     least = min_budget(costs, algorithm=algorithm, slots=slots)
     ceiling = max(store_all_peak(costs), target) * 4  # no schedule changes above the store-all peak
-    seen: dict[tuple, int] = {}
+    seen: set[tuple] = set()  # op lists already measured
     log: list[tuple[int, int, int]] = []
     best: tuple[Schedule, int] | None = None
     fits, over = least - 1, ceiling + 1  # working budgets known to fit (measured) and to be over
     work = max(target, least)
+    sched = solve(costs, work, algorithm=algorithm, slots=slots)
     for _ in range(tries):
-        sched = solve(costs, work, algorithm=algorithm, slots=slots)
-        seen[tuple(sched.ops)] = got = measure(sched) + x0
+        seen.add(tuple(sched.ops))
+        got = measure(sched) + x0
         log.append((work, sched.peak, got))
         if got <= target:
             if best is None or sched.time < best[0].time:
@@ -115,9 +116,10 @@ def calibrated_solve(
             fits = max(fits, work)
         else:
             over = min(over, work)
-        work = _next_budget(costs, work, work + (target - got), fits, over, seen, algorithm, slots)
-        if work is None:
+        step = _next_budget(costs, work, work + (target - got), fits, over, seen, algorithm, slots)
+        if step is None:
             break
+        work, sched = step
     if best is None:
         raise InfeasibleBudget(
             algorithm, target, min(g for _, _, g in log) if log else least,
@@ -127,11 +129,12 @@ def calibrated_solve(
 
 
 def _next_budget(
-    costs: ChainCosts, base: int, proposal: int, fits: int, over: int, seen: dict, algorithm: str, slots: int
-) -> int | None:
+    costs: ChainCosts, base: int, proposal: int, fits: int, over: int, seen: set, algorithm: str, slots: int
+) -> tuple[int, Schedule] | None:
     """A working budget strictly between ``fits`` and ``over`` whose schedule was not measured
-    yet: ``proposal`` (the last budget ``base`` corrected by the measured error) if it qualifies,
-    else stepping on in the same direction by doubling steps; ``None`` when there is none."""
+    yet, with that schedule: ``proposal`` (the last budget ``base`` corrected by the measured
+    error) if it qualifies, else stepping on in the same direction by doubling steps; ``None``
+    when there is none."""
     lo, hi = fits + 1, over - 1
     up = proposal >= base
     step = max(abs(proposal - base), 1)
@@ -140,8 +143,9 @@ def _next_budget(
         work = min(max(work, lo), hi)
         if lo > hi:
             return None
-        if tuple(solve(costs, work, algorithm=algorithm, slots=slots).ops) not in seen:
-            return work
+        sched = solve(costs, work, algorithm=algorithm, slots=slots)
+        if tuple(sched.ops) not in seen:
+            return work, sched
         if (up and work == hi) or (not up and work == lo):
             return None
         work, step = work + step if up else work - step, step * 2
