@@ -174,3 +174,13 @@ def test_similar_depth_reuses_the_compiled_table():
     jr.solve(random_chain(rng, 38), "45%")
     jr.solve(random_chain(rng, 44), "30%")
     assert compile_count() == before
+
+
+@pytest.mark.parametrize("L, share", [(23, 0.1), (23, 0.5), (41, 0.3), (41, 0.9)])
+def test_pruning_leaves_the_table_unchanged(L, share):
+    """The fill skips splits that cannot win; every entry must equal the unpruned fill's, bit for bit."""
+    costs = random_chain(np.random.default_rng(L), L)
+    c = discretise(costs, budget_between(costs, share), 500)
+    pruned, _ = table(c)
+    full, _ = table(c, prune=False)
+    np.testing.assert_array_equal(pruned, full)

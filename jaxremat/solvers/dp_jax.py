@@ -9,9 +9,15 @@ Layout. ``C(s, t)`` (a vector over the memory axis ``m = 0..S``) is stored twice
 
 For a segment length ``d``, the checkpoint option of ``(s, t = s + d)`` at split
 ``j = s + k + 1`` is ``A[s, k] + A[s + d, Lb - d + k + 1] + F[s, k]``: for a block of ``BS``
-starts by ``BK`` splits both operands are one rectangular slice, so the fill is a loop over ``d``
-and, inside, over blocks, each a fused add-mask-min. The chain length ``L`` is a traced value
-and the array is padded to a size bucket, so chains of similar depth reuse one compiled program.
+starts by ``BK`` splits both operands are one rectangular slice, so the fill is a loop over start
+blocks (from the end), then over ``d``, then over split blocks, each a fused add-mask-min over a
+window of ``MC`` memory values.
+
+Pruning: ``C(s, t)`` is non-increasing in ``m``, so a split costs at least what it costs with
+the most memory; wherever the best option found so far is not above that bound for every split of
+a block, the block is skipped there. The table is exactly the unpruned one (float32 rounding is
+monotone; a test checks it entry by entry). The chain length ``L`` is a traced value and the array is padded to a
+size bucket, so chains of similar depth reuse one compiled program.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from jax import lax
 from jaxremat.solvers.discretise import SlotChain, forward_thresholds, forward_times
 
 BS = 8  # start stages per block
-BK = 8  # split points per block
+BK = 16  # split points per block
 BUCKET = 16
-MPAD = 16  # memory axis padded to a multiple of this (SIMD-friendly)
+MC = 64  # memory values per step of the split search
+MPAD = MC  # memory axis padded to a multiple of this
 
 
 def bucket(L: int) -> int:
@@ -78,71 +85,108 @@ def _shift(rows: jax.Array, by: jax.Array, m: jax.Array) -> jax.Array:
 _CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_enable_fast_min_max": True}
 
 
-def fill(L, m, x, xbar, fwd_tmp, bwd_tmp, fb, thr, F) -> jax.Array:
-    """Fill the table; return ``A`` (see the module docstring for its layout)."""
+def fill(L, m, x, xbar, fwd_tmp, bwd_tmp, fb, thr, F, prune: bool = True) -> jax.Array:
+    """Fill the table; return ``A`` (see the module docstring for its layout).
+
+    Order: blocks of ``BS`` starts from the chain's end backwards, and for each block the
+    segment lengths ``d = 1, 2, ...``. Every entry a segment reads is shorter and starts no
+    earlier, so it is done; and a block's rows of the table (the left operands) and the few
+    end rows its splits read stay in cache across its ``d`` loop, where a loop over ``d``
+    outermost would stream the whole table from memory once per length.
+    """
     S1 = m.shape[0]
     nr = xbar.shape[0] - 1
     Lb = nr - BS
     s = jnp.arange(nr)
     back = x[s] + x[s + 1] + xbar[s] + bwd_tmp[s]  # what B s needs, beyond a_s
+    a_idx = jnp.arange(BS)
+    b_idx = jnp.arange(BK)
+    m_chunk = jnp.arange(MC)
 
-    def store(A, d, rows):
-        """Write ``C(s, s + d)`` for every valid ``s`` into both triangles (two columns of A)."""
-        ok = (s <= L - d)[:, None, None]
-        col = lax.dynamic_slice(A, (0, d, 0), (nr, 1, S1))
-        A = lax.dynamic_update_slice(A, jnp.where(ok, rows[:, None, :], col), (0, d, 0))
+    def put(A, T, at, rows, ok):
+        """``A[at] = rows`` and ``T[at] = rows[:, -1]`` (``T`` mirrors the table at the largest m)
+        for the rows where ``ok``."""
+        col = lax.dynamic_slice(A, (*at, 0), (BS, 1, S1))
+        A = lax.dynamic_update_slice(A, jnp.where(ok[:, None, None], rows[:, None, :], col), (*at, 0))
+        col = lax.dynamic_slice(T, at, (BS, 1))
+        return A, lax.dynamic_update_slice(T, jnp.where(ok[:, None], rows[:, -1:], col), at)
+
+    def store(A, T, s0, d, rows):
+        """Write ``C(s, s + d)`` for the starts ``s0 .. s0 + BS - 1`` into both triangles."""
+        ss = s0 + a_idx
+        ok = ss <= L - d
+        A, T = put(A, T, (s0, d), rows, ok)
         # row t = s + d of column Lb - d holds C(s, t) shifted by x[s]
-        moved = jnp.roll(_shift(rows, x[s], m), d, axis=0)[:, None, :]
-        col = lax.dynamic_slice(A, (0, Lb - d, 0), (nr, 1, S1))
-        ok = ((s >= d) & (s <= L))[:, None, None]
-        return lax.dynamic_update_slice(A, jnp.where(ok, moved, col), (0, Lb - d, 0))
+        return put(A, T, (s0 + d, Lb - d), _shift(rows, x[ss], m), ok)
+
+    def segment(s0, d, AT):
+        """``C(s, s + d)`` for the block of starts at ``s0``."""
+        A, T = AT
+        ss = s0 + a_idx
+        # store all: Fall s, then (s+1 .. t) in m - xbar[s], then B s.
+        nxt = _shift(lax.dynamic_slice(A, (s0 + 1, d - 1, 0), (BS, 1, S1))[:, 0, :], xbar[ss], m)
+        sa_ok = (m[None, :] >= (x[ss + d + 1] + xbar[ss] + fwd_tmp[ss])[:, None]) & (m[None, :] >= back[ss][:, None])
+        best = jnp.where(sa_ok, fb[ss][:, None] + nxt, jnp.inf)
+        valid = ss <= L - d
+
+        def block(kb, acc):
+            k0 = kb * BK
+            kk = k0 + b_idx
+            lim = x[ss + d + 1][:, None] + lax.dynamic_slice(thr, (s0, k0), (BS, BK))
+            lim = jnp.where(valid[:, None] & (kk[None, :] < d), lim, jnp.iinfo(jnp.int32).max)
+            fs = lax.dynamic_slice(F, (s0, k0), (BS, BK))
+            # Prune. The table is non-increasing in m, so a split costs at least its value at the
+            # largest m, and float32 rounding is monotone, so that bound holds for the computed
+            # sums too. Where the best so far is not above the least bound of the block, no split
+            # of the block can change it; past the last m where it is, the block is skipped, and
+            # below the least threshold nothing is allowed.
+            if prune:
+                top_l = lax.dynamic_slice(T, (s0, k0), (BS, BK))
+                top_r = lax.dynamic_slice(T, (s0 + d, Lb - d + k0 + 1), (BS, BK))
+                least = jnp.where(lim < jnp.iinfo(jnp.int32).max, top_l + top_r + fs, jnp.inf).min(axis=1)
+                hi = jnp.max(jnp.where(acc > least[:, None], m[None, :] + 1, 0))
+                lo = jnp.minimum(jnp.min(lim), hi)
+            else:
+                lo, hi = 0, S1
+
+            def chunk(c, acc):
+                # windows of MC from lo, the last one moved back to end at S1: taking the
+                # minimum twice over an overlap changes nothing
+                m0 = jnp.minimum(lo + c * MC, S1 - MC)
+                left = lax.dynamic_slice(A, (s0, k0, m0), (BS, BK, MC))
+                right = lax.dynamic_slice(A, (s0 + d, Lb - d + k0 + 1, m0), (BS, BK, MC))
+                tot = jnp.where((m0 + m_chunk)[None, None, :] >= lim[:, :, None], left + right + fs[:, :, None], jnp.inf)
+                cur = lax.dynamic_slice(acc, (0, m0), (BS, MC))
+                # splits on the leading axis: XLA emits one vectorised loop fusion for the reduction
+                return lax.dynamic_update_slice(acc, jnp.minimum(cur, tot.transpose(1, 0, 2).min(axis=0)), (0, m0))
+
+            return lax.fori_loop(0, (hi - lo + MC - 1) // MC, chunk, acc)
+
+        best = lax.fori_loop(0, (d + BK - 1) // BK, block, best)
+        return store(A, T, s0, d, best)
 
     # d = 0: C(s, s) = fwd + bwd when Fall s and B s fit (s = L: the loss, needs x[L]).
     base_need = jnp.maximum(x[s + 1] + xbar[s] + fwd_tmp[s], back)
+    base = jnp.where((m[None, :] >= base_need[:, None]) & (s <= L)[:, None], fb[s][:, None], jnp.inf)
     A = jnp.full((nr, Lb + BK, S1), jnp.inf, jnp.float32)
-    A = store(A, 0, jnp.where(m[None, :] >= base_need[:, None], fb[s][:, None], jnp.inf))
+    A = A.at[:, 0, :].set(base)
+    moved = _shift(base, x[s], m)  # C(s, s) in the end-major triangle: row s, column Lb
+    A = A.at[:, Lb, :].set(jnp.where((s <= L)[:, None], moved, jnp.inf))
+    n_sb = L // BS + 1  # blocks of starts covering 0 .. L
 
-    a_idx = jnp.arange(BS)
-    b_idx = jnp.arange(BK)
+    def start_block(i, AT):
+        s0 = (n_sb - 1 - i) * BS
+        return lax.fori_loop(1, L - s0 + 1, lambda d, AT: segment(s0, d, AT), AT)
 
-    def segment(d, A):
-        # store all: Fall s, then (s+1 .. t) in m - xbar[s], then B s.
-        col = lax.dynamic_slice(A, (0, d - 1, 0), (nr, 1, S1))[:, 0, :]
-        nxt = _shift(jnp.concatenate([col[1:], col[:1]]), xbar[s], m)
-        sa_ok = (m[None, :] >= (x[s + d + 1] + xbar[s] + fwd_tmp[s])[:, None]) & (m[None, :] >= back[:, None])
-        best = jnp.where(sa_ok, fb[s][:, None] + nxt, jnp.inf)
-
-        n_kc = (d + BK - 1) // BK
-        n_blocks = ((L - d + BS) // BS) * n_kc
-
-        def block(q, acc):
-            s0 = (q // n_kc) * BS
-            k0 = (q % n_kc) * BK
-            left = lax.dynamic_slice(A, (s0, k0, 0), (BS, BK, S1))
-            right = lax.dynamic_slice(A, (s0 + d, Lb - d + k0 + 1, 0), (BS, BK, S1))
-            ss = s0 + a_idx
-            kk = k0 + b_idx
-            lim = x[ss + d + 1][:, None] + lax.dynamic_slice(thr, (s0, k0), (BS, BK))
-            ok = (ss[:, None] <= L - d) & (kk[None, :] < d)
-            lim = jnp.where(ok, lim, jnp.iinfo(jnp.int32).max)
-            fs = lax.dynamic_slice(F, (s0, k0), (BS, BK))
-            tot = jnp.where(m[None, None, :] >= lim[:, :, None], left + right + fs[:, :, None], jnp.inf)
-            cur = lax.dynamic_slice(acc, (s0, 0), (BS, S1))
-            # splits on the leading axis: XLA emits one vectorised loop fusion for the reduction
-            return lax.dynamic_update_slice(acc, jnp.minimum(cur, tot.transpose(1, 0, 2).min(axis=0)), (s0, 0))
-
-        best = lax.fori_loop(0, n_blocks, block, best)
-        return store(A, d, best)
-
-    return lax.fori_loop(1, L + 1, segment, A)
+    return lax.fori_loop(0, n_sb, start_block, (A, A[:, :, -1]))[0]
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(shapes: tuple) -> "jax.stages.Compiled":
+def _compiled(shapes: tuple, prune: bool = True) -> "jax.stages.Compiled":
     """One compiled fill per bucket shape (the jit cache would not take compiler options)."""
     cpu = jax.devices("cpu")[0]
     specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(cpu)) for shape, dtype in shapes]
-    return jax.jit(fill).lower(*specs).compile(_CPU_OPTIONS)
+    return jax.jit(functools.partial(fill, prune=prune)).lower(*specs).compile(_CPU_OPTIONS)
 
 
 def compile_count() -> int:
@@ -153,14 +197,15 @@ def compile_count() -> int:
 _ORDER = ("L", "m", "x", "xbar", "fwd_tmp", "bwd_tmp", "fb", "thr", "F")
 
 
-def table(c: SlotChain) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def table(c: SlotChain, *, prune: bool = True) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Fill the table for ``c``; return it (as a host array, ``[s, t - s, m]`` = ``C(s, t)[m]``
-    where ``s + (t - s) <= L``) and the inputs used."""
+    where ``s + (t - s) <= L``) and the inputs used. ``prune=False`` evaluates every split
+    everywhere (for tests: pruning must not change a single entry)."""
     args = prepare(c)
     arrays = [np.asarray(args[k]) for k in _ORDER]
     cpu = jax.devices("cpu")[0]
     with jax.ensure_compile_time_eval():  # a solve may run while the caller's step is traced
-        A = _compiled(_shapes(arrays))(*[jax.device_put(a, cpu) for a in arrays])
+        A = _compiled(_shapes(arrays), prune)(*[jax.device_put(a, cpu) for a in arrays])
     return np.asarray(A), args
 
 
