@@ -15,32 +15,27 @@ import datetime
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 import jaxremat as jr
+from jaxremat import models as zoo
+from jaxremat.calibrate import compile_step, training_step
+from jaxremat.chain import Chain
 from jaxremat.executor import execute
 from jaxremat.profiler import Rates, profile
 from jaxremat.simulate import FORWARD_KINDS
-from jaxremat.xla_memory import step_memory
 from profile_fidelity import models  # noqa: E402  (same directory)
 
 
 def measure(chain, variables, x, costs, schedule) -> tuple[int, float]:
     """(XLA temp bytes, compiled flops) of a training step that follows ``schedule``."""
-    per = chain.split(variables)
     f = execute(chain, schedule)
 
-    def step(ps, x):
-        def loss(ps):
-            out = f([{**u, "params": p} for u, p in zip(per, ps)], x)[0]
-            return jnp.mean(out.astype(jnp.float32) ** 2)
+    def step(per_stage, x):
+        forward = lambda vs, a: f(chain.merge(vs), a, None)[0]  # noqa: E731
+        return training_step(forward, per_stage)([u.get("params", {}) for u in per_stage], x)
 
-        return jax.grad(loss)(ps)
-
-    ps = [u.get("params", {}) for u in per]
-    temp, _ = step_memory(step, ps, x)
-    flops = jax.jit(step).lower(ps, x).compile(jr.compiler_options()).cost_analysis()["flops"]
-    return temp, float(flops)
+    compiled = compile_step(step, chain.split(variables), x)
+    return int(compiled.memory_analysis().temp_size_in_bytes), float(compiled.cost_analysis()["flops"])
 
 
 def predicted_flops(costs: jr.ChainCosts, schedule: jr.Schedule) -> float:
@@ -48,8 +43,18 @@ def predicted_flops(costs: jr.ChainCosts, schedule: jr.Schedule) -> float:
     return float(fwd + costs.bwd_flops.sum())
 
 
+def chains(scale: int = 1):
+    """The profile-fidelity chains, and a CNN and a transformer deep enough to plan at 30%."""
+    yield from models(scale)
+    b = max(1, 16 // scale)
+    resnet = Chain.from_linen(zoo.resnet(blocks=(3, 3, 3)))
+    yield "ResNet-style CNN, 3 x 3 residual blocks (2 downsampling)", resnet, zoo.sample_input((b, 32, 32, 3))
+    gpt = Chain.from_linen(zoo.gpt(blocks=12))
+    yield "GPT-style decoder, 12 blocks, 128 tokens", gpt, zoo.sample_input((max(1, b // 4), 128), "int32")
+
+
 def rows(scale: int = 1, shares=("30%", "50%", "75%")):
-    for label, chain, x in models(scale):
+    for label, chain, x in chains(scale):
         v = chain.init(jax.random.key(0), x)
         costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
         least = jr.min_budget(costs)

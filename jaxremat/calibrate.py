@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxremat.chain import Chain
 from jaxremat.costs import ChainCosts
-from jaxremat.executor import _UNDER_REMAT_JIT, compiler_options, execute
+from jaxremat.executor import as_planned, compiler_options, execute
 from jaxremat.schedule import InfeasibleBudget, Schedule
 from jaxremat.solvers import budget_bytes, min_budget, solve, store_all_peak
 
@@ -44,11 +44,7 @@ def training_step(forward: Callable[[list, Any], Any], per_stage: list) -> Calla
 
 def compile_step(step: Callable, params: list, x: Any) -> Any:
     """``jax.jit(step)`` compiled with :func:`~jaxremat.compiler_options` (real remat on the CPU)."""
-    token = _UNDER_REMAT_JIT.set(True)  # compiled with the options: no warning
-    try:
-        return jax.jit(step).lower(params, x).compile(compiler_options() or None)
-    finally:
-        _UNDER_REMAT_JIT.reset(token)
+    return jax.jit(as_planned(step)).lower(params, x).compile(compiler_options() or None)
 
 
 def step_temp(chain: Chain, variables: Any, x: Any, schedule: Schedule) -> int:

@@ -141,14 +141,20 @@ def _tied_checkpoint(body: Callable[[dict, dict, Any], tuple[Any, dict]]) -> Cal
     as early as it likes (before later stages' backward has freed their memory); here the saved
     inputs and the incoming cotangent pass one optimisation barrier together, so the
     recomputation cannot start before the backward pass reaches this region.
+
+    The output passes an optimisation barrier too, so that it is materialised: otherwise XLA
+    fuses the region's element-wise tail (say a residual block's ``relu(x + h)``) into every
+    consumer and keeps the region's internals alive instead of its output, which the plan
+    recomputes (measured on a ResNet-style chain: 1.08x the planned memory).
     """
 
     @jax.custom_vjp
     def region(owned: dict, keys: dict, a: Any) -> tuple[Any, dict]:
-        return body(owned, keys, a)
+        out, updates = body(owned, keys, a)
+        return lax.optimization_barrier(out), updates
 
     def fwd(owned: dict, keys: dict, a: Any) -> tuple[tuple[Any, dict], tuple]:
-        return body(owned, keys, a), (owned, keys, a)
+        return region(owned, keys, a), (owned, keys, a)
 
     def bwd(res: tuple, g: tuple[Any, Any]) -> tuple:
         owned, keys, a, g_out = lax.optimization_barrier((*res, g[0]))
@@ -294,9 +300,11 @@ _UNDER_REMAT_JIT: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxrema
 _warned = contextvars.ContextVar("jaxremat_warned", default=False)
 
 
-def jit(fn: Callable, **kwargs: Any) -> Callable:
-    """``jax.jit`` with :func:`compiler_options` (so a rematerialised step is compiled as planned)."""
-    options = {**compiler_options(), **kwargs.pop("compiler_options", {})}
+def as_planned(fn: Callable) -> Callable:
+    """``fn``, traced as a step that will be compiled with :func:`compiler_options` (no warning).
+
+    For code that compiles with the options itself (``jax.jit(...).lower(...).compile(options)``).
+    """
 
     @functools.wraps(fn)
     def traced(*args: Any, **kw: Any) -> Any:
@@ -306,7 +314,13 @@ def jit(fn: Callable, **kwargs: Any) -> Callable:
         finally:
             _UNDER_REMAT_JIT.reset(token)
 
-    return jax.jit(traced, compiler_options=options or None, **kwargs)
+    return traced
+
+
+def jit(fn: Callable, **kwargs: Any) -> Callable:
+    """``jax.jit`` with :func:`compiler_options` (so a rematerialised step is compiled as planned)."""
+    options = {**compiler_options(), **kwargs.pop("compiler_options", {})}
+    return jax.jit(as_planned(fn), compiler_options=options or None, **kwargs)
 
 
 def _check_compile_options() -> None:

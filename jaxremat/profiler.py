@@ -20,6 +20,10 @@ from jaxremat.costs import ChainCosts
 from jaxremat.xla_memory import REMAT_OPTIONS, bytes_kept_across_barrier, transient_bytes
 
 
+# Bump when what a measurement means changes, so that cached profiles from before are not reused.
+PROFILE_VERSION = 3
+
+
 @dataclass(frozen=True)
 class Rates:
     """Device rates for the ``"xla"`` roofline estimate: flop/s and bytes/s."""
@@ -84,6 +88,24 @@ def _median_time(fn, *args, repeats: int) -> float:
     return float(np.median(ts))
 
 
+def kept_bytes(g, params, a_shape, rest, rng, cot_shape) -> int:
+    """``xbar``: the bytes XLA keeps from the stage's forward for its backward, plus its output.
+
+    Compiled as forward, an optimisation barrier on (output, cotangent), backward, and read from
+    the buffers live across the barrier (:func:`~jaxremat.xla_memory.live_across_barrier`; the
+    stage input's leaves are the activations there).
+    """
+
+    def kept(params, a, rest, rng, cot):
+        out, vjp = jax.vjp(lambda p, x: g(p, x, rest, rng), params, a)
+        done, cot, out = lax.optimization_barrier((_sum_leaves(out), cot, out))
+        return done, vjp(cot), out
+
+    n_params, n_input = len(jax.tree.leaves(params)), len(jax.tree.leaves(a_shape))
+    acts = range(n_params, n_params + n_input)
+    return bytes_kept_across_barrier(kept, params, a_shape, rest, rng, cot_shape, activations=acts)[1]
+
+
 def profile_stage(
     st: Stage, variables: dict, a_shape: Any, *, method: str, rates: Rates | None, repeats: int = 5
 ) -> StageProfile:
@@ -92,13 +114,7 @@ def profile_stage(
     rng = jax.random.key(0)
     out_shape = jax.eval_shape(g, params, a_shape, rest, rng)
     cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), out_shape)
-
-    def kept(params, a, rest, rng, cot):
-        out, vjp = jax.vjp(lambda p, x: g(p, x, rest, rng), params, a)
-        done, cot, out = lax.optimization_barrier((_sum_leaves(out), cot, out))
-        return done, vjp(cot), out
-
-    _, xbar = bytes_kept_across_barrier(kept, params, a_shape, rest, rng, cot_shape)
+    xbar = kept_bytes(g, params, a_shape, rest, rng, cot_shape)
 
     fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(REMAT_OPTIONS)
     vjp_shape = jax.eval_shape(lambda p, x, r, k: jax.vjp(lambda p, x: g(p, x, r, k), p, x)[1], params, a_shape, rest, rng)
@@ -232,7 +248,7 @@ def profile_stages(
     with _progress(len(chain), quiet) as advance:
         for i, (st, v) in enumerate(zip(chain.stages, per_stage)):
             key = disk_cache.make_key(
-                st.key or st.name, _signature(v), _signature(shapes[i]), method,
+                "stage", PROFILE_VERSION, st.key or st.name, _signature(v), _signature(shapes[i]), method,
                 None if rates is None else dataclasses.asdict(rates), repeats if method == "measure" else 0,
                 jax.default_backend(), jax.__version__,
             )

@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Collection, NamedTuple
 
 import jax
 
@@ -31,7 +31,7 @@ def compile_with_dump(fn: Callable, *args: Any, options: dict | None = None) -> 
     """Compile ``jax.jit(fn)(*args)`` with XLA's buffer dumps; return (compiled, dump folder)."""
     folder = tempfile.mkdtemp(prefix="jaxremat-xla-")
     opts = {**REMAT_OPTIONS, **(options or {}), "xla_dump_to": folder, "xla_dump_hlo_pass_re": ""}
-    compiled = jax.jit(fn).lower(*args).compile(opts)
+    compiled = jax.jit(fn, keep_unused=True).lower(*args).compile(opts)  # parameter numbers = leaf order
     return compiled, folder
 
 
@@ -118,17 +118,26 @@ def transient_beyond_inputs(folder: str) -> int:
     """Peak bytes of a program's temporaries beyond its inputs, crediting inputs freed early.
 
     Inputs count until their last use (in a training step their buffers are reusable after
-    that), outputs not at all; the result is that peak minus the total size of the inputs,
-    floored at zero: the ``bwd_tmp`` of ``COST_MODEL.md`` for a backward compiled alone.
+    that), and an input whose last use is an element-wise loop fusion with an output of its
+    shape counts until just before it: in a training step XLA writes that output over the dying
+    buffer, which it may not do to an entry parameter compiled alone. Outputs do not count. The
+    result is that peak minus the total size of the inputs, floored at zero: the ``bwd_tmp`` of
+    ``COST_MODEL.md`` for a backward compiled alone.
     """
     seq, ranges = _live_ranges(folder)
     position = {name: i for i, name in enumerate(seq)}
     values = _values(folder)
     params = buffer_sizes(folder, ("parameter",))
     live = [0] * (len(seq) + 1)
-    for name, size in params.items():
-        uses = values.get(name.split("{")[0], ([], [], True))[1]
+    taken: set[str] = set()  # fusions whose output already reuses a dying input
+    for name, size in sorted(params.items(), key=lambda kv: -kv[1]):
+        value = values.get(name.split("{")[0])
+        uses = value.uses if value else []
         last = max((position.get(u, 0) for u in uses), default=-1)
+        user = values.get(seq[last]) if 0 <= last < len(seq) else None
+        if value and user and user.elementwise and user.shape == value.shape and seq[last] not in taken:
+            taken.add(seq[last])
+            last -= 1
         for t in range(0, last + 1):
             live[t] += size
     live = _peak(seq, ranges, buffer_sizes(folder, ("temp",)), live)
@@ -136,12 +145,21 @@ def transient_beyond_inputs(folder: str) -> int:
 
 
 _OPERANDS = re.compile(r"\s[a-z][\w\-]*\((%[^)]*)\)")
+_SHAPE = re.compile(r"=\s*(\S+)\s")
 
 
-def _values(folder: str) -> dict[str, tuple[list[str], list[str], bool]]:
-    """Per value (by instruction name): its operands, the instructions that use it, and
-    whether it is an entry parameter or a constant."""
-    out: dict[str, tuple[list[str], list[str], bool]] = {}
+class _Value(NamedTuple):
+    operands: list[str]  # instruction names
+    uses: list[str]  # instructions that use it
+    leaf: bool  # an entry parameter or a constant
+    parameter: int | None  # the entry parameter's number
+    shape: str  # e.g. ``f32[2048,512]{1,0}``
+    elementwise: bool  # a loop fusion: may write its output over an operand that dies there
+
+
+def _values(folder: str) -> dict[str, _Value]:
+    """Every value of the buffer assignment, by instruction name."""
+    out: dict[str, _Value] = {}
     name, uses, mode = None, [], None
     for line in _read(folder, "buffer-assignment-values").splitlines():
         if line.startswith("<"):
@@ -155,19 +173,28 @@ def _values(folder: str) -> dict[str, tuple[list[str], list[str], bool]]:
             m = _OPERANDS.search(text)
             operands = re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
             leaf = " parameter(" in text or " constant(" in text
-            out[name] = (operands, uses, leaf)
+            number = re.search(r" parameter\((\d+)\)", text)
+            shape = _SHAPE.search(line)
+            out[name] = _Value(
+                operands, uses, leaf, int(number.group(1)) if number else None, shape.group(1) if shape else "",
+                "kind=kLoop" in text,
+            )
             mode = None
         elif mode == "uses" and line.strip() and line.strip() != "(none)":
             uses.append(line.strip().split(",")[0])
     return out
 
 
-def live_across_barrier(folder: str) -> int:
+def live_across_barrier(folder: str, activations: Collection[int] = ()) -> int:
     """Bytes of the buffers (not parameters) whose live range spans every optimisation barrier.
 
-    A buffer computed from entry parameters alone and used only after the barrier (say a
-    transposed copy of the stage input for its weight gradient) is left out: nothing ties it
-    to the forward, and in a whole training step XLA schedules it inside the backward.
+    A buffer computed from entry parameters and constants alone and used only after the barrier
+    (say a transposed copy of a kernel, or of the stage input for its weight gradient) is left
+    out: nothing ties it to the forward, and in a whole training step XLA schedules it inside the
+    backward, or, for a copy of the input, computes it with the input's producer and keeps it
+    *instead of* the input. Except when the backward also reads the input itself (of the entry
+    parameter numbers ``activations``): then both stay, and the copy counts (measured on a
+    ResNet-style block, whose backward reads its input for the skip connection).
     """
     seq, ranges = _live_ranges(folder)
     barriers = [i for i, name in enumerate(seq) if name.startswith("optimization_barrier") or name.startswith("opt-barrier")]
@@ -176,16 +203,26 @@ def live_across_barrier(folder: str) -> int:
     first, last = min(barriers), max(barriers)
     position = {name: i for i, name in enumerate(seq)}
     values = _values(folder)
-    leaves = {n for n, (_, _, leaf) in values.items() if leaf}
+    leaves = {n for n, v in values.items() if v.leaf}
+    inputs = {n for n in leaves if values[n].parameter in set(activations)}
+
+    def derived(name: str) -> bool:
+        """Computed from leaves alone and used only after the barrier."""
+        v = values.get(name)
+        return (
+            v is not None
+            and not v.leaf
+            and bool(v.operands)
+            and all(o in leaves for o in v.operands)
+            and all(position.get(u, -1) > last for u in v.uses)
+        )
+
+    # an input the backward reads itself, not only through derived copies, stays live anyway
+    read_after = {n for n in inputs if any(position.get(u, -1) > last and not derived(u) for u in values[n].uses)}
 
     def movable(key: str) -> bool:
-        operands, uses, leaf = values.get(key.split("{")[0], ([], [], False))
-        return (
-            not leaf
-            and bool(operands)
-            and all(o in leaves for o in operands)
-            and all(position.get(u, -1) > last for u in uses)
-        )
+        name = key.split("{")[0]
+        return derived(name) and not any(o in read_after for o in values[name].operands)
 
     sizes = buffer_sizes(folder)
     return sum(
@@ -195,12 +232,15 @@ def live_across_barrier(folder: str) -> int:
     )
 
 
-def bytes_kept_across_barrier(fn: Callable, *args: Any, options: dict | None = None) -> tuple[Any, int]:
+def bytes_kept_across_barrier(
+    fn: Callable, *args: Any, options: dict | None = None, activations: Collection[int] = ()
+) -> tuple[Any, int]:
     """Compile ``fn`` (which must hold an optimisation barrier) and return (compiled, bytes kept
-    across the barrier); the dump folder is removed afterwards."""
+    across the barrier; ``activations`` as for :func:`live_across_barrier`, numbered over the
+    leaves of ``args``); the dump folder is removed afterwards."""
     compiled, folder = compile_with_dump(fn, *args, options=options)
     try:
-        return compiled, live_across_barrier(folder)
+        return compiled, live_across_barrier(folder, activations)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

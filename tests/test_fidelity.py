@@ -1,8 +1,8 @@
 """The profiled cost model against XLA's compiled training step (CPU, remat made real).
 
 Asserted here: the cases that hold within 15% (see benchmarks/results/profile_fidelity.md for
-all of them; the MLP and the CNN with every stage checkpointed do not yet, and the issue notes
-say why).
+all of them; the MLP and the CNN with every stage checkpointed do not: the contract's recomputed
+bundle holds the stage output, which XLA does not recompute when only the backward needs it).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from profile_fidelity import models, ratios  # noqa: E402
 
 CASES = {label.split(" ")[0]: (label, chain, x) for label, chain, x in models(scale=4)}
+CASES["MLP"] = next(case for case in models(scale=1) if case[0].startswith("MLP"))  # small batches: weights dominate
 
 
 @pytest.mark.parametrize(
-    "model,schedules", [("CNN", ("store_all",)), ("Transformer", ("store_all", "every_stage"))]
+    "model,schedules", [("MLP", ("store_all",)), ("CNN", ("store_all",)), ("Transformer", ("store_all", "every_stage"))]
 )
 def test_xla_temp_within_15_percent_of_prediction(model, schedules):
     rows = {row[1]: (row[2], row[3]) for row in ratios(*CASES[model])}
@@ -45,5 +46,30 @@ def test_executed_schedule_stays_within_its_plan():
         sched = jr.solve(costs, share)
         assert sched.overhead > 1.0  # something is really recomputed
         temp, flops = measure(chain, v, x, costs, sched)
-        assert temp <= 1.10 * (sched.peak - int(costs.x[0])), (share, temp, sched.peak)
+        assert temp <= 1.05 * (sched.peak - int(costs.x[0])), (share, temp, sched.peak)
         assert abs(flops / predicted_flops(costs, sched) - 1) <= 0.06, (share, flops)
+
+
+@pytest.mark.parametrize("share", ["40%", "60%"])
+def test_resnet_schedule_stays_within_its_plan(share):
+    """Residual blocks mixing stored and recomputed stages: XLA must not keep a recomputed
+    region's internals (it fuses their element-wise tail into the next stage unless the region's
+    output is materialised: 1.08x here without), and the transposed input copies a block's
+    backward keeps must be in its ``xbar`` (1.20x without both). Measured 0.97-0.98x; asserted
+    at 1.05x, tighter than the 1.10x target, so that either regression fails."""
+    import jax
+
+    import jaxremat as jr
+    from fidelity import measure
+    from jaxremat import models as zoo
+    from jaxremat.chain import Chain
+    from jaxremat.profiler import Rates, profile
+
+    chain = Chain.from_linen(zoo.resnet(blocks=(2, 2, 2)))
+    x = zoo.sample_input((16, 32, 32, 3))
+    v = chain.init(jax.random.key(0), x)
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    sched = jr.solve(costs, max(jr.solvers.budget_bytes(costs, share), jr.min_budget(costs)))
+    assert {k for k, _ in sched.ops} >= {"Fck", "Fall"}  # a mix of checkpointed and stored stages
+    temp, _ = measure(chain, v, x, costs, sched)
+    assert temp <= 1.05 * (sched.peak - int(costs.x[0])), (share, temp, sched.peak)
