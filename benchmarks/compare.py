@@ -50,7 +50,7 @@ def main() -> None:
         "",
         f"Measured {datetime.date.today().isoformat()} on a 2-core CPU VM, jax {jax.__version__}, every step compiled "
         "with `cse_barrier_expander` disabled, costs profiled with `method=\"measure\"`. Step times are medians of "
-        f"{args.rounds} interleaved rounds x 5 calls; on this machine they vary by about ±5% between runs, so differences "
+        f"{args.rounds} interleaved rounds x 5 calls; on this machine they vary by up to ±9% between runs (see each model's noise check), so differences "
         f"below {bench.NOISE:.0%} of the no-remat time are called noise. "
         f"Command: `python benchmarks/compare.py --models {' '.join(args.models)}`",
         "",
@@ -61,7 +61,7 @@ def main() -> None:
         "when jaxremat is no slower (within noise) in no more memory. Where it loses, the reasons seen here: "
         "(1) per-block policies such as `dots_saveable` keep part of a block (its matmul outputs) and "
         "recompute the rest, a finer choice than the chain model's per-block keep-all / keep-input / "
-        "keep-nothing; (2) without calibration, the cost model's error (XLA temp 0.6-1.2x the prediction) "
+        "keep-nothing; (2) without calibration, the cost model's error (XLA temp / predicted in each sweep below) "
         "either wastes the budget or exceeds it; (3) on this CPU, steps that allocate less memory can run "
         "faster than no remat despite extra flops (times below 1.00), which the cost model, counting "
         "compute only, does not predict, so it does not seek such schedules.",
