@@ -107,8 +107,11 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape) -> int:
 
 
 def profile_stage(
-    st: Stage, variables: dict, a_shape: Any, *, method: str, rates: Rates | None, repeats: int = 5
+    st: Stage, variables: dict, a_shape: Any, *, method: str, rates: Rates | None, repeats: int = 5,
+    input_grad: bool = True,
 ) -> StageProfile:
+    """Measure one stage. ``input_grad=False`` (the chain's first stage) leaves the input's
+    gradient out of the backward, as a training step never computes it."""
     g = _stage_fn(st)
     params, rest = _split_params(jax.tree.map(_abstract, variables))  # shapes only: works under a trace
     rng = jax.random.key(0)
@@ -117,7 +120,12 @@ def profile_stage(
     xbar = kept_bytes(g, params, a_shape, rest, rng, cot_shape)
 
     fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(REMAT_OPTIONS)
-    vjp_shape = jax.eval_shape(lambda p, x, r, k: jax.vjp(lambda p, x: g(p, x, r, k), p, x)[1], params, a_shape, rest, rng)
+    def pullback(p, x, r, k):
+        if input_grad:
+            return jax.vjp(lambda p, x: g(p, x, r, k), p, x)[1]
+        return jax.vjp(lambda p: g(p, x, r, k), p)[1]
+
+    vjp_shape = jax.eval_shape(pullback, params, a_shape, rest, rng)
     bwd_c, bwd_tmp = transient_bytes(lambda f, c: f(c), vjp_shape, cot_shape)
     ff, fb = _cost(fwd_c)
     bf, bb = _cost(bwd_c)
@@ -130,7 +138,7 @@ def profile_stage(
         a, params, rest = jax.tree.map(concrete, (a_shape, params, rest))
         cot = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), cot_shape)
         ft = _median_time(fwd_c, params, a, rest, rng, repeats=repeats)
-        both = jax.jit(lambda p, x, r, k, c: jax.vjp(lambda p, x: g(p, x, r, k), p, x)[1](c))
+        both = jax.jit(lambda p, x, r, k, c: pullback(p, x, r, k)(c))
         bt = max(_median_time(both, params, a, rest, rng, cot, repeats=repeats) - ft, 0.0)
     shape_txt = str(jax.tree.map(lambda s: tuple(s.shape), out_shape))
     return StageProfile(
@@ -248,7 +256,7 @@ def profile_stages(
     with _progress(len(chain), quiet) as advance:
         for i, (st, v) in enumerate(zip(chain.stages, per_stage)):
             key = disk_cache.make_key(
-                "stage", PROFILE_VERSION, st.key or st.name, _signature(v), _signature(shapes[i]), method,
+                "stage", PROFILE_VERSION, i == 0, st.key or st.name, _signature(v), _signature(shapes[i]), method,
                 None if rates is None else dataclasses.asdict(rates), repeats if method == "measure" else 0,
                 jax.default_backend(), jax.__version__,
             )
@@ -261,7 +269,7 @@ def profile_stages(
                     except TypeError:
                         prof = None
             if prof is None:
-                prof = profile_stage(st, v, shapes[i], method=method, rates=rates, repeats=repeats)
+                prof = profile_stage(st, v, shapes[i], method=method, rates=rates, repeats=repeats, input_grad=i > 0)
                 if use_disk and st.key:
                     disk_cache.store(key, dataclasses.asdict(prof))
             seen[key] = prof

@@ -77,6 +77,8 @@ def test_xbar_is_what_xla_keeps_for_dense_gelu():
         assert 3 * act <= xb <= 3 * act + 64  # plus the 4-byte scalar the probe sums
     assert all(s.fwd_flops > 2 * 512 * 256 * 256 for s in stages)
     assert all(s.bwd_flops > s.fwd_flops for s in stages)
+    # a training step never computes the chain input's gradient: one matmul fewer in stage 0
+    assert stages[0].bwd_flops == pytest.approx(stages[1].bwd_flops - 2 * 512 * 256 * 256, rel=0.02)
     assert costs.fwd[0] == pytest.approx(max(stages[0].fwd_flops, stages[0].fwd_bytes) / 1e10)
 
 
@@ -109,13 +111,15 @@ def test_identical_stages_once_and_disk_cache(monkeypatch, tmp_path):
     x = jnp.ones((16, 64))
     v = chain.init(jax.random.key(0), x)
     first = profile(chain, v, x, method="xla", rates=RATES)
-    assert len(calls) == 2  # three identical blocks measured once, plus the narrower one
+    # the first block (whose input gradient no step computes), the two identical others once,
+    # and the narrower one
+    assert len(calls) == 3
     second = profile(chain, v, x, method="xla", rates=RATES)
-    assert len(calls) == 2 and second == first  # served from disk
+    assert len(calls) == 3 and second == first  # served from disk
     profile(chain, v, x, method="xla", rates=RATES, cache=False)
-    assert len(calls) == 4  # no disk cache (identical stages still measured once)
+    assert len(calls) == 6  # no disk cache (identical stages still measured once)
     profile(chain, v, jnp.ones((8, 64)), method="xla", rates=RATES)
-    assert len(calls) == 6  # another input shape is another entry
+    assert len(calls) == 9  # another input shape is another entry
 
 
 def test_corrupt_cache_entry_is_ignored_with_a_warning(monkeypatch):
