@@ -204,7 +204,8 @@ def live_across_barrier(folder: str, activations: Collection[int] = ()) -> int:
     position = {name: i for i, name in enumerate(seq)}
     values = _values(folder)
     leaves = {n for n, v in values.items() if v.leaf}
-    inputs = {n for n in leaves if values[n].parameter in set(activations)}
+    acts = set(activations)
+    inputs = {n for n in leaves if values[n].parameter in acts}
 
     def derived(name: str) -> bool:
         """Computed from leaves alone and used only after the barrier."""
