@@ -18,9 +18,8 @@ import jax
 
 import jaxremat as jr
 from jaxremat import models as zoo
-from jaxremat.calibrate import compile_step, training_step
+from jaxremat.calibrate import compile_schedule_step
 from jaxremat.chain import Chain
-from jaxremat.executor import execute
 from jaxremat.profiler import Rates, profile
 from jaxremat.simulate import FORWARD_KINDS
 from profile_fidelity import models  # noqa: E402  (same directory)
@@ -28,13 +27,7 @@ from profile_fidelity import models  # noqa: E402  (same directory)
 
 def measure(chain, variables, x, costs, schedule) -> tuple[int, float]:
     """(XLA temp bytes, compiled flops) of a training step that follows ``schedule``."""
-    f = execute(chain, schedule)
-
-    def step(per_stage, x):
-        forward = lambda vs, a: f(chain.merge(vs), a, None)[0]  # noqa: E731
-        return training_step(forward, per_stage)([u.get("params", {}) for u in per_stage], x)
-
-    compiled = compile_step(step, chain.split(variables), x)
+    compiled = compile_schedule_step(chain, variables, x, schedule)
     return int(compiled.memory_analysis().temp_size_in_bytes), float(compiled.cost_analysis()["flops"])
 
 

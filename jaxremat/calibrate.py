@@ -50,6 +50,11 @@ def compile_step(step: Callable, params: list, x: Any) -> Any:
 def step_temp(chain: Chain, variables: Any, x: Any, schedule: Schedule) -> int:
     """XLA's ``temp_size_in_bytes`` of a training step of ``chain`` that follows ``schedule``
     (compiled from shapes alone, so ``variables`` and ``x`` may be tracers)."""
+    return int(compile_schedule_step(chain, variables, x, schedule).memory_analysis().temp_size_in_bytes)
+
+
+def compile_schedule_step(chain: Chain, variables: Any, x: Any, schedule: Schedule) -> Any:
+    """The compiled training step of ``chain`` following ``schedule`` (from shapes alone)."""
     f = execute(chain, schedule)
 
     def step(per_stage: list, x: Any) -> tuple[jax.Array, list]:
@@ -59,7 +64,7 @@ def step_temp(chain: Chain, variables: Any, x: Any, schedule: Schedule) -> int:
         )
 
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), (chain.split(variables), x))
-    return int(compile_step(step, *shapes).memory_analysis().temp_size_in_bytes)
+    return compile_step(step, *shapes)
 
 
 @dataclass(frozen=True)
