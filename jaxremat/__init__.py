@@ -12,6 +12,7 @@ from jaxremat.plans import Plan, load_plan, plan
 from jaxremat.profiler import profile
 from jaxremat.remat_chain import RematChain, remat_chain
 from jaxremat.remat_nnx import RematSequential, remat_nnx
+from jaxremat.repeat import Repeat
 from jaxremat.schedule import InfeasibleBudget, Schedule, StageDecision
 from jaxremat.simulate import simulate
 from jaxremat.solvers import ALGORITHMS, min_budget, pareto, solve, store_all_peak
@@ -27,6 +28,7 @@ __all__ = [
     "Plan",
     "RematChain",
     "RematSequential",
+    "Repeat",
     "remat_nnx",
     "load_plan",
     "plan",

@@ -54,16 +54,17 @@ def step_temp(chain: Chain, variables: Any, x: Any, schedule: Schedule) -> int:
 
 
 def compile_schedule_step(chain: Chain, variables: Any, x: Any, schedule: Schedule) -> Any:
-    """The compiled training step of ``chain`` following ``schedule`` (from shapes alone)."""
+    """The compiled training step of ``chain`` following ``schedule`` (from shapes alone), over
+    the model's own variables (a Repeat's stacked, as the model keeps them)."""
     f = execute(chain, schedule)
 
-    def step(per_stage: list, x: Any) -> tuple[jax.Array, list]:
+    def step(per_layer: list, x: Any) -> tuple[jax.Array, list]:
         rngs = {s: jax.random.key(1) for st in chain.stages for s in st.rng_streams} or None
-        return training_step(lambda vs, a: f(chain.merge(vs), a, rngs)[0], per_stage)(
-            [u.get("params", {}) for u in per_stage], x
+        return training_step(lambda vs, a: f(chain.from_layer_variables(vs), a, rngs)[0], per_layer)(
+            [u.get("params", {}) for u in per_layer], x
         )
 
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), (chain.split(variables), x))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), (chain.layer_variables(variables), x))
     return compile_step(step, *shapes)
 
 

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxremat.repeat import BODY, Repeat
+
 Variables = dict[str, Any]
 ApplyFn = Callable[[Variables, Any, dict[str, jax.Array] | None], tuple[Any, Variables]]
 
@@ -90,18 +92,50 @@ def _nnx_stage(name: str, module: Any) -> Stage:
 
 
 @dataclass(frozen=True)
+class Stacked:
+    """Stages ``start .. start+length-1`` are the copies of a :class:`~jaxremat.Repeat` (model
+    layer ``layer``), their variables stacked under ``{collection: {"body": ...}}``."""
+
+    layer: int
+    start: int
+    length: int
+    init: Callable[[jax.Array, Any], Variables] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
 class Chain:
     """An ordered list of :class:`Stage`; the output of stage ``i`` is the input of ``i + 1``.
 
-    Build one with :meth:`from_linen` or :meth:`from_functions`.
+    Build one with :meth:`from_linen` or :meth:`from_functions`. A model's layers map to stages
+    one to one, except a :class:`~jaxremat.Repeat`, which is ``length`` stages sharing stacked
+    variables (``stacked``).
     """
 
     stages: tuple[Stage, ...]
     sequential: bool = False  # variables in nn.Sequential's layout ({"params": {"layers_i": ...}})
+    stacked: tuple[Stacked, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.stages) == 0:
             raise ValueError("a Chain needs at least one stage; got an empty list")
+
+    @property
+    def layers(self) -> list[tuple[int, Stacked | None]]:
+        """Per model layer: its first stage and its :class:`Stacked` group (``None`` for one stage)."""
+        groups = {g.start: g for g in self.stacked}
+        out, i = [], 0
+        while i < len(self.stages):
+            g = groups.get(i)
+            out.append((i, g))
+            i += g.length if g else 1
+        return out
+
+    def group_of(self, i: int) -> tuple[Stacked, int] | None:
+        """The stacked group holding stage ``i`` and its index in it, or ``None``."""
+        for g in self.stacked:
+            if g.start <= i < g.start + g.length:
+                return g, i - g.start
+        return None
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -155,11 +189,20 @@ class Chain:
             )
         if not layers:
             raise ValueError("Chain.from_linen: the model has no layers; a chain needs at least one stage")
-        stages = tuple(
-            _linen_stage(f"{i}:{_label(m)}", m, mutable, rng_streams)
-            for i, m in enumerate(layers)
-        )
-        return cls(stages, sequential=sequential)
+
+        stages: list[Stage] = []
+        stacked: list[Stacked] = []
+        for k, m in enumerate(layers):
+            if isinstance(m, Repeat):
+                init = _linen_stage(f"{k}:{_label(m)}", m, mutable, rng_streams).init
+                stacked.append(Stacked(k, len(stages), m.length, init))
+                stages += [
+                    _linen_stage(f"{len(stages) + j}:{_label(m)}[{j}]", m.block, mutable, rng_streams)
+                    for j in range(m.length)
+                ]
+            else:
+                stages.append(_linen_stage(f"{len(stages)}:{_label(m)}", m, mutable, rng_streams))
+        return cls(tuple(stages), sequential=sequential, stacked=tuple(stacked))
 
     @classmethod
     def from_nnx(cls, modules: Any) -> "Chain":
@@ -182,36 +225,73 @@ class Chain:
 
     # -- variables -----------------------------------------------------------------------------
 
-    def split(self, variables: Any) -> list[Variables]:
-        """Per-stage variables from the model's variables (Sequential layout or a list)."""
+    def layer_variables(self, variables: Any) -> list[Variables]:
+        """The model's variables per layer (a :class:`~jaxremat.Repeat`'s stacked, as one entry)."""
+        n = len(self.layers)
         if not self.sequential:
-            if len(variables) != len(self.stages):
-                raise ValueError(f"expected {len(self.stages)} per-stage variable dicts, got {len(variables)}")
+            if len(variables) != n:
+                raise ValueError(f"expected {n} per-layer variable dicts, got {len(variables)}")
             return [dict(v) for v in variables]
-        return [
-            {col: tree[f"layers_{i}"] for col, tree in variables.items() if f"layers_{i}" in tree}
-            for i in range(len(self.stages))
-        ]
+        return [{col: tree[f"layers_{k}"] for col, tree in variables.items() if f"layers_{k}" in tree} for k in range(n)]
+
+    def from_layer_variables(self, per_layer: Sequence[Variables]) -> Any:
+        """The inverse of :meth:`layer_variables`."""
+        if not self.sequential:
+            return list(per_layer)
+        out: dict[str, dict[str, Any]] = {}
+        for k, v in enumerate(per_layer):
+            for col, tree in v.items():
+                out.setdefault(col, {})[f"layers_{k}"] = tree
+        return out
+
+    def split(self, variables: Any) -> list[Variables]:
+        """Per-stage variables from the model's variables (Sequential layout or a list); the
+        copies of a :class:`~jaxremat.Repeat` get slices of its stacked variables."""
+        out: list[Variables] = []
+        for (_, g), v in zip(self.layers, self.layer_variables(variables)):
+            if g is None:
+                out.append(v)
+            else:
+                out += [{col: jax.tree.map(lambda t, j=j: t[j], tree[BODY]) for col, tree in v.items()} for j in range(g.length)]
+        return out
 
     def merge(self, per_stage: Sequence[Variables]) -> Any:
-        """The inverse of :meth:`split`."""
-        if not self.sequential:
-            return list(per_stage)
-        out: dict[str, dict[str, Any]] = {}
-        for i, v in enumerate(per_stage):
-            for col, tree in v.items():
-                out.setdefault(col, {})[f"layers_{i}"] = tree
+        """The inverse of :meth:`split` (a Repeat's copies are stacked again)."""
+        per_layer = []
+        for i, g in self.layers:
+            if g is None:
+                per_layer.append(per_stage[i])
+            else:
+                copies = per_stage[i : i + g.length]
+                per_layer.append(
+                    {col: {BODY: jax.tree.map(lambda *xs: jnp.stack(xs), *[c[col] for c in copies])} for col in copies[0]}
+                )
+        return self.from_layer_variables(per_layer)
+
+    def stage_shapes(self, variables: Any) -> list[Any]:
+        """``jax.ShapeDtypeStruct`` trees of each stage's variables (no array operations)."""
+        out: list[Any] = []
+        sds = lambda t, drop: jax.ShapeDtypeStruct(np.shape(t)[drop:], t.dtype)  # noqa: E731
+        for (_, g), v in zip(self.layers, self.layer_variables(variables)):
+            if g is None:
+                out.append(jax.tree.map(lambda t: sds(t, 0), v))
+            else:
+                one = {col: jax.tree.map(lambda t: sds(t, 1), tree[BODY]) for col, tree in v.items()}
+                out += [one] * g.length
         return out
 
     def init(self, rng: jax.Array, x: Any) -> Any:
-        """Variables for every stage, in the plain model's layout."""
-        per_stage, a = [], x
-        for i, st in enumerate(self.stages):
-            v = st.init(jax.random.fold_in(rng, i), a) if st.init is not None else {}
-            per_stage.append(v)
-            a = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, _any_rngs(st))[0], v, a)
-            a = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), a)
-        return self.merge(per_stage)
+        """Variables for every layer, in the plain model's layout."""
+        per_layer, a = [], x
+        for i, g in self.layers:
+            st = self.stages[i]
+            init = g.init if g is not None else st.init
+            v = init(jax.random.fold_in(rng, i), a) if init is not None else {}
+            per_layer.append(v)
+            if g is None:  # a Repeat's output has its input's shapes (the scan carry)
+                a = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, _any_rngs(st))[0], v, a)
+                a = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), a)
+        return self.from_layer_variables(per_layer)
 
     def apply(self, variables: Any, x: Any, rngs: dict[str, jax.Array] | None = None) -> Any:
         """The plain forward pass (no remat), for reference and tests."""

@@ -234,6 +234,11 @@ def compare(
     plan counts and XLA's temp does not). ``progress`` receives a line per compiled point.
     """
     say = progress or (lambda s: None)
+    if chain.stacked:
+        raise ValueError(
+            "compare() measures per-stage manual strategies and does not take models with jaxremat.Repeat "
+            "layers; use the same model with an nn.Sequential of its blocks"
+        )
     per_stage = chain.split(variables)
     params = [u.get("params", {}) for u in per_stage]
     x0 = int(costs.x[0])

@@ -1,17 +1,10 @@
 """Run a schedule: the forward pass of a chain whose gradient follows the schedule's op list.
 
-A persistent schedule is a tree (``COST_MODEL.md``). For a segment of stages ``s .. t`` (stage
-``L`` is the loss) its ops are one of
-
-* ``Fall s, <ops of s+1 .. t>, B s`` — stage ``s`` runs plainly; autodiff keeps its residuals;
-* ``Fck s, Fn s+1 .. Fn j-1, <ops of j .. t>, <ops of s .. j-1>`` — stages ``s .. j-1`` run
-  inside one ``jax.checkpoint`` region that keeps only its input ``a_s``; the backward
-  recomputes the region following ``<ops of s .. j-1>``, itself a tree;
-* ``Fall s, B s`` / ``Loss`` for a single stage.
-
-:func:`parse` reads an op list into that tree, :func:`execute` builds the forward function from
-it. ``jax.checkpoint`` ties each recomputation to the incoming cotangent with optimisation
-barriers; on the CPU compile with :func:`compiler_options` so that XLA keeps them.
+The schedule is read as a tree (:mod:`jaxremat.tree`): a :class:`~jaxremat.tree.Store` stage
+runs plainly and autodiff keeps its residuals; a :class:`~jaxremat.tree.Region` runs its stages
+inside one checkpoint region that keeps only its input and is recomputed, following its inner
+tree, once the backward pass reaches it. Recomputation is tied to the incoming cotangent with
+optimisation barriers; on the CPU compile with :func:`compiler_options` so that XLA keeps them.
 """
 
 from __future__ import annotations
@@ -19,8 +12,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,109 +20,10 @@ import numpy as np
 from jax import lax
 
 from jaxremat.chain import Chain, stage_rngs
+from jaxremat.repeat import BODY
 from jaxremat.schedule import Schedule
-from jaxremat.simulate import Op
+from jaxremat.tree import Node, Unit, parse, shape as _shape, span as _span, units as _units
 from jaxremat.xla_memory import REMAT_OPTIONS
-
-
-@dataclass(frozen=True)
-class Store:
-    """Stage ``stage`` runs plainly, then ``rest`` (stages ``stage+1 .. t``)."""
-
-    stage: int
-    rest: "Node"
-
-
-@dataclass(frozen=True)
-class Region:
-    """Stages ``start .. stop-1`` in a checkpoint region recomputed as ``inner``; then ``rest``."""
-
-    start: int
-    stop: int
-    inner: "Node"
-    rest: "Node"
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """A single stage (``Fall s, B s``) or the loss (``stage == L``)."""
-
-    stage: int
-
-
-Node = Store | Region | Leaf
-
-
-def parse(ops: Sequence[Op], L: int) -> Node:
-    """The tree of a persistent schedule; ``ValueError`` if ``ops`` is not one."""
-    ops = [(str(k), int(i)) for k, i in ops]
-    pos = 0
-
-    def expect(kind: str, i: int) -> None:
-        nonlocal pos
-        if pos >= len(ops) or ops[pos] != (kind, i):
-            got = ops[pos] if pos < len(ops) else "the end"
-            raise ValueError(
-                f"not a persistent schedule: expected ({kind!r}, {i}) at op #{pos}, got {got}; "
-                "execute() runs the tree-shaped schedules that jaxremat's solvers produce"
-            )
-        pos += 1
-
-    def segment(s: int, t: int) -> Node:
-        nonlocal pos
-        if s == t:
-            if s == L:
-                expect("Loss", L)
-            else:
-                expect("Fall", s)
-                expect("B", s)
-            return Leaf(s)
-        if pos < len(ops) and ops[pos] == ("Fall", s):
-            pos += 1
-            rest = segment(s + 1, t)
-            expect("B", s)
-            return Store(s, rest)
-        expect("Fck", s)
-        j = s + 1
-        while pos < len(ops) and ops[pos] == ("Fn", j) and j < t:
-            pos += 1
-            j += 1
-        rest = segment(j, t)
-        inner = segment(s, j - 1)
-        return Region(s, j, inner, rest)
-
-    tree = segment(0, L)
-    if pos != len(ops):
-        raise ValueError(f"not a persistent schedule: {len(ops) - pos} op(s) left after the backward, from op #{pos}")
-    return tree
-
-
-Unit = tuple  # ("store", i) or ("region", start, stop, inner)
-
-
-def _units(node: Node) -> tuple[list[Unit], Leaf]:
-    """A segment's tree as its sequence of top-level units and its final leaf."""
-    units: list[Unit] = []
-    while not isinstance(node, Leaf):
-        if isinstance(node, Store):
-            units.append(("store", node.stage))
-        else:
-            units.append(("region", node.start, node.stop, node.inner))
-        node = node.rest
-    return units, node
-
-
-def _shape(node: Node, base: int) -> tuple:
-    """The structure of a tree with stage indices relative to ``base``."""
-    if isinstance(node, Leaf):
-        return ("leaf", node.stage - base)
-    if isinstance(node, Store):
-        return ("store", node.stage - base, _shape(node.rest, base))
-    return ("region", node.start - base, node.stop - base, _shape(node.inner, base), _shape(node.rest, base))
-
-
-def _span(unit: Unit) -> tuple[int, int]:
-    return (unit[1], unit[1] + 1) if unit[0] == "store" else (unit[1], unit[2])
 
 
 def _tied_checkpoint(body: Callable[[dict, dict, Any], tuple[Any, dict]]) -> Callable[..., tuple[Any, dict]]:
@@ -167,14 +60,86 @@ def _tied_checkpoint(body: Callable[[dict, dict, Any], tuple[Any, dict]]) -> Cal
 
 
 class _Runner:
-    """Runs a schedule tree on one call's variables; runs of alike units go through ``lax.scan``."""
+    """Runs a schedule tree on one call's variables; runs of alike units go through ``lax.scan``.
 
-    def __init__(self, chain: Chain, per_stage: list, rngs: dict | None, scan: bool):
-        self.chain, self.per_stage, self.rngs, self.L, self.use_scan = chain, per_stage, rngs, len(chain), scan
+    ``scan``: ``None`` scans runs over the stacked variables of a :class:`~jaxremat.Repeat`
+    (no copy), ``True`` also stacks other runs' variables, ``False`` unrolls everything.
+    """
+
+    def __init__(self, chain: Chain, variables: Any, rngs: dict | None, scan: bool | None, tree: Node):
+        self.chain, self.rngs, self.L, self.use_scan = chain, rngs, len(chain), scan
+        self.shapes = chain.stage_shapes(variables)
+        units, _ = _units(tree)
+        # Repeat layers whose top-level units repeat one pattern: first stage -> (units per
+        # period m, stages per period p, periods n); they run as one scan over a reshape
+        self.periodic: dict[int, tuple[int, int, int]] = {}
+        # other runs of alike units over a Repeat's stacked variables: first stage -> (n, k)
+        self.stacked_runs: dict[int, tuple[int, int]] = {}
+        if scan is not False:
+            for g in chain.stacked:
+                found = self.find_period(units, g.start, g.start + g.length)
+                if found is not None:
+                    self.periodic[g.start] = found
+                else:
+                    _warn_copies(g.layer)
+            for segment in self.segments(units):
+                for i, j in self.alike_runs(segment):
+                    b, e = _span(segment[i])[0], _span(segment[j - 1])[1]
+                    found = chain.group_of(b)
+                    if j - i >= 2 and found is not None and e <= found[0].start + found[0].length:
+                        self.stacked_runs[b] = (j - i, _span(segment[i])[1] - b)
+        self.per_stage, self.pieces = self.cut(chain.layer_variables(variables))
+
+    def find_period(self, units: list[Unit], start: int, stop: int) -> tuple[int, int, int] | None:
+        """``(m, p, n)`` when the units covering stages ``start .. stop-1`` are ``n`` repeats of
+        ``m`` alike units over ``p`` stages; ``None`` when they are not (or straddle the ends)."""
+        inside = [u for u in units if start <= _span(u)[0] < stop]
+        if not inside or _span(inside[0])[0] != start or _span(inside[-1])[1] != stop:
+            return None
+        for m in range(1, len(inside) + 1):
+            if len(inside) % m:
+                continue
+            p = _span(inside[m - 1])[1] - start
+            if all(self.alike(inside[q], inside[q + r]) for r in range(m, len(inside), m) for q in range(m)):
+                return m, p, len(inside) // m
+        return None
+
+    def cut(self, per_layer: list) -> tuple[dict[int, Any], dict[int, Any]]:
+        """Per-stage variables, and each stacked run's variables as for :meth:`scan`: a Repeat's
+        stacked arrays are cut once (``lax.split``, whose gradient is one concatenate)."""
+        per_stage: dict[int, Any] = {}
+        pieces: dict[int, Any] = {}
+        for (first, g), v in zip(self.chain.layers, per_layer):
+            if g is None:
+                per_stage[first] = v
+                continue
+            if g.start in self.periodic:  # a reshape: no copy
+                _, p, n = self.periodic[g.start]
+                shape = (n,) if p == 1 else (n, p)
+                pieces[g.start] = {col: jax.tree.map(lambda t: t.reshape(*shape, *t.shape[1:]), tree[BODY]) for col, tree in v.items()}
+                continue
+            spans, i = [], g.start
+            while i < g.start + g.length:
+                n, k = self.stacked_runs.get(i, (1, 1))
+                spans.append((i, n, k))
+                i += n * k
+            sizes = [n * k for _, n, k in spans]
+
+            def parts(t: jax.Array, sizes: list = sizes) -> list:
+                return [t] if len(sizes) == 1 else list(lax.split(t, sizes, axis=0))
+
+            cut = {col: jax.tree.map(parts, tree[BODY]) for col, tree in v.items()}
+            for p, (i, n, k) in enumerate(spans):
+                piece = {col: jax.tree.map(lambda ps: ps[p], tree, is_leaf=lambda x: isinstance(x, list)) for col, tree in cut.items()}
+                if i in self.stacked_runs:
+                    pieces[i] = _positions(piece, n, k)
+                else:
+                    per_stage[i] = jax.tree.map(lambda t: t.reshape(t.shape[1:]), piece)
+        return per_stage, pieces
 
     def stage(self, i: int, a: Any, updates: dict, env: tuple) -> Any:
         variables, offset, keys = env
-        v = variables.get(i, self.per_stage[i]) if variables else self.per_stage[i]
+        v = variables.get(i, self.per_stage.get(i)) if variables else self.per_stage[i]
         rngs = keys[i] if i in keys else stage_rngs(self.rngs, i + offset)
         out, new = self.chain.stages[i].apply(v, a, rngs)
         if new:
@@ -188,7 +153,7 @@ class _Runner:
         variables, offset, keys = env
         # everything the region reads is an explicit input (no closure over traced values), so
         # that its recomputation can run in the backward pass, after the cotangent arrives
-        owned = {i: variables.get(i, self.per_stage[i]) if variables else self.per_stage[i] for i in range(start, stop)}
+        owned = {i: variables.get(i, self.per_stage.get(i)) if variables else self.per_stage[i] for i in range(start, stop)}
         owned_keys = {i: keys[i] if i in keys else stage_rngs(self.rngs, i + offset) for i in range(start, stop)}
 
         def body(owned: dict, owned_keys: dict, a: Any) -> tuple[Any, dict]:
@@ -211,29 +176,106 @@ class _Runner:
             s0, s1 = self.chain.stages[b0 + p], self.chain.stages[b1 + p]
             if not s0.key or s0.key != s1.key:
                 return False
-            shapes = lambda v: jax.tree.map(lambda x: (np.shape(x), x.dtype), v)  # noqa: E731
-            if jax.tree.structure(self.per_stage[b0 + p]) != jax.tree.structure(self.per_stage[b1 + p]):
+            if jax.tree.structure(self.shapes[b0 + p]) != jax.tree.structure(self.shapes[b1 + p]):
                 return False
-            if shapes(self.per_stage[b0 + p]) != shapes(self.per_stage[b1 + p]):
+            if jax.tree.leaves(self.shapes[b0 + p]) != jax.tree.leaves(self.shapes[b1 + p]):
                 return False
         return True
 
-    def run(self, node: Node, stop: int, a: Any, updates: dict, env: tuple = ({}, 0, {})) -> Any:
-        """Apply the stages of ``node`` below ``stop`` (the loss is not a stage)."""
-        units, leaf = _units(node)
-        i = 0
+    def alike_runs(self, units: list[Unit]) -> list[tuple[int, int]]:
+        """``units`` cut into maximal runs ``[i, j)`` of alike units."""
+        runs, i = [], 0
         while i < len(units):
             j = i + 1
             while j < len(units) and self.alike(units[i], units[j]):
                 j += 1
-            if self.use_scan and j - i >= 2 and not env[0] and self.keeps_shape(units[i], a):
-                a = self.scan(units[i:j], a, updates)
+            runs.append((i, j))
+            i = j
+        return runs
+
+    def run(self, node: Node, stop: int, a: Any, updates: dict, env: tuple = ({}, 0, {})) -> Any:
+        """Apply the stages of ``node`` below ``stop`` (the loss is not a stage); scans only at
+        the top level (inside a region, its owned variables are explicit inputs)."""
+        units, leaf = _units(node)
+        if not env[0]:
+            a = self.run_top(units, a, updates)
+        else:
+            for unit in units:
+                a = self.unit(unit, a, updates, env)
+        if leaf.stage < min(self.L, stop):
+            a = self.stage(leaf.stage, a, updates, env)
+        return a
+
+    def segments(self, units: list[Unit]) -> list[list[Unit]]:
+        """The top-level units cut into periodic Repeat layers (a list ``[first unit]``, marked
+        by :attr:`periodic`) and the stretches between them."""
+        out: list[list[Unit]] = [[]]
+        i = 0
+        while i < len(units):
+            first = _span(units[i])[0]
+            if first in self.periodic:
+                m, _, n = self.periodic[first]
+                out += [[units[i]], []]
+                i += m * n
+            else:
+                out[-1].append(units[i])
+                i += 1
+        return [seg for seg in out if seg]
+
+    def run_top(self, units: list[Unit], a: Any, updates: dict) -> Any:
+        """The top-level units: periodic Repeat layers as one scan each, the rest by runs."""
+        for segment in self.segments(units):
+            first = _span(segment[0])[0]
+            if len(segment) == 1 and first in self.periodic:
+                m, p, n = self.periodic[first]
+                i = units.index(segment[0])
+                a = self.scan_periodic(units[i : i + m], p, n, a, updates, self.pieces[first])
+            else:
+                a = self.run_units(segment, a, updates)
+        return a
+
+    def run_units(self, units: list[Unit], a: Any, updates: dict) -> Any:
+        env = ({}, 0, {})
+        for i, j in self.alike_runs(units):
+            first = _span(units[i])[0]
+            if first in self.stacked_runs:
+                a = self.scan(units[i:j], a, updates, self.pieces[first])
+            elif self.use_scan and j - i >= 2 and self.keeps_shape(units[i], a):
+                a = self.scan(units[i:j], a, updates, self.stack(units[i:j]))
             else:
                 for unit in units[i:j]:
                     a = self.unit(unit, a, updates, env)
-            i = j
-        if leaf.stage < min(self.L, stop):
-            a = self.stage(leaf.stage, a, updates, env)
+        return a
+
+    def scan_periodic(self, pattern: list[Unit], p: int, n: int, a: Any, updates: dict, stacked: Any) -> Any:
+        """``n`` repeats of ``pattern`` (units over ``p`` stages) as one ``lax.scan`` over the
+        Repeat's variables reshaped to ``(n, p, ...)`` (``(n, ...)`` when ``p == 1``).
+
+        Each iteration's slice ``P`` of the scanned inputs is cut into its ``p`` stages' variables
+        inside a checkpoint that recomputes the cut in the backward loop rather than saving it:
+        JAX hands ``P`` itself to the backward loop without copying, where a saved cut would be a
+        per-iteration copy of the parameters; the cut's gradient is one concatenate.
+        """
+        b0 = _span(pattern[0])[0]
+
+        def iteration(P: Any, a: Any, u: Any) -> tuple[Any, dict]:
+            views = [P] if p == 1 else _unstack(P, p)
+            env = (dict(zip(range(b0, b0 + p), views)), u * p, {})
+            local: dict = {}
+            for unit in pattern:
+                a = self.unit(unit, a, local, env)
+            return a, local
+
+        step = iteration if p == 1 else jax.checkpoint(iteration, policy=_save_all_but_cuts)
+
+        def body(a: Any, xs: tuple) -> tuple[Any, dict]:
+            P, u = xs
+            return step(P, a, u)
+
+        a, ys = lax.scan(body, a, (stacked, jnp.arange(n)))
+        for i, tree in ys.items():
+            for u in range(n):
+                updates[i + u * p] = jax.tree.map(lambda t: t[u], tree)
         return a
 
     def keeps_shape(self, unit: Unit, a: Any) -> bool:
@@ -243,18 +285,29 @@ class _Runner:
             same(x, y) for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(a))
         )
 
-    def scan(self, run: list[Unit], a: Any, updates: dict) -> Any:
-        """``len(run)`` alike units as one ``lax.scan`` over their stacked variables."""
+    def stack(self, run: list[Unit]) -> list[Any]:
+        """The variables of ``run``'s units, per position in the unit stacked over the units (a copy)."""
+        b0, e0 = _span(run[0])
+        return [
+            jax.tree.map(lambda *xs: jnp.stack(xs), *[self.per_stage[_span(u)[0] + p] for u in run])
+            for p in range(e0 - b0)
+        ]
+
+    def scan(self, run: list[Unit], a: Any, updates: dict, stacked: Any) -> Any:
+        """``len(run)`` alike units as one ``lax.scan`` over their variables ``stacked``: a list
+        over the unit's positions of trees with a leading axis ``n``.
+
+        Each iteration's variables are then exactly a slice of the scanned inputs, which JAX
+        passes to the backward loop as they are; a value computed from them inside the loop
+        (say a reshape) would be saved per iteration instead, a copy of the run's parameters.
+        """
         first = run[0]
         b0, e0 = _span(first)
         k, n = e0 - b0, len(run)
-        stacked = {
-            b0 + p: jax.tree.map(lambda *xs: jnp.stack(xs), *[self.per_stage[_span(u)[0] + p] for u in run])
-            for p in range(k)
-        }
 
         def body(a: Any, xs: tuple) -> tuple[Any, dict]:
-            variables, u = xs
+            per_position, u = xs
+            variables = dict(zip(range(b0, e0), per_position))
             local: dict = {}
             return self.unit(first, a, local, (variables, u * k, {})), local
 
@@ -265,16 +318,56 @@ class _Runner:
         return a
 
 
-def execute(chain: Chain, schedule: Schedule, *, scan: bool = False) -> Callable[..., tuple[Any, Any]]:
+_CUTS = frozenset({lax.slice_p, lax.squeeze_p, lax.reshape_p, lax.split_p, lax.dynamic_slice_p})
+
+
+def _save_all_but_cuts(prim: Any, *args: Any, **params: Any) -> bool:
+    """Checkpoint policy: save every residual except cuts of the variables (recomputed)."""
+    return prim not in _CUTS
+
+
+def _warn_copies(layer: int) -> None:
+    warnings.warn(
+        f"jaxremat: the schedule does not repeat one pattern over Repeat layer {layer}, so its stacked "
+        "parameters are sliced, and XLA copies the slices and the gradient's pieces: up to about twice "
+        "the layer's parameter bytes more than the plan, and compile time grows with depth. Plans made "
+        "by jaxremat.plan / remat_chain repeat a pattern when one fits the budget.",
+        stacklevel=4,
+    )
+
+
+def _unstack(tree: Any, k: int) -> list[Any]:
+    """``k`` trees from one with leading axis ``k`` (one ``lax.split`` per leaf)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    cut = [lax.split(t, [1] * k, axis=0) for t in leaves]
+    return [treedef.unflatten([c[q].reshape(c[q].shape[1:]) for c in cut]) for q in range(k)]
+
+
+def _positions(tree: Any, n: int, k: int) -> list[Any]:
+    """A tree with leading axis ``n * k`` (``n`` units of ``k`` stages) as ``k`` trees, one per
+    position in the unit, each with leading axis ``n``."""
+    if k == 1:
+        return [tree]
+    leaves, treedef = jax.tree.flatten(tree)
+    cut = [lax.split(t.reshape(n, k, *t.shape[1:]), [1] * k, axis=1) for t in leaves]
+    return [treedef.unflatten([c[p].reshape(n, *c[p].shape[2:]) for c in cut]) for p in range(k)]
+
+
+def execute(chain: Chain, schedule: Schedule, *, scan: bool | None = None) -> Callable[..., tuple[Any, Any]]:
     """``f(variables, x, rngs=None) -> (output, updated_collections)`` whose gradient follows
     ``schedule``: stored stages keep their residuals, checkpoint regions keep only their input
     and are recomputed in the schedule's order. ``updated_collections`` (e.g. ``batch_stats``)
     are per stage index, each updated once per step.
 
-    With ``scan=True``, runs of alike units over identical stages (same structure key and
-    variable shapes, shape-preserving) run as one ``lax.scan``, so tracing stays flat with
-    depth; the price is that the run's parameters are stacked inside the step (a copy, and a
-    stacked gradient), memory the plan does not count. Off by default.
+    Runs of alike units (same structure over stages with the same structure key and variable
+    shapes) run as one ``lax.scan``, so that tracing and compiling stay flat with depth:
+
+    * ``scan=None`` (default): runs over the copies of a :class:`~jaxremat.Repeat`, whose
+      variables are already stacked (cut once, no copy);
+    * ``scan=True``: also runs over separately stored identical stages (shape-preserving); the
+      price is that their variables are stacked inside the step (a copy, and a stacked
+      gradient), memory the plan does not count;
+    * ``scan=False``: no scan.
     """
     L = len(chain)
     if schedule.costs.length != L:
@@ -283,7 +376,7 @@ def execute(chain: Chain, schedule: Schedule, *, scan: bool = False) -> Callable
 
     def forward(variables: Any, x: Any, rngs: dict[str, jax.Array] | None = None) -> tuple[Any, Any]:
         updates: dict[int, Any] = {}
-        out = _Runner(chain, chain.split(variables), rngs, scan).run(tree, L, x, updates)
+        out = _Runner(chain, variables, rngs, scan, tree).run(tree, L, x, updates)
         return out, updates
 
     return forward

@@ -11,12 +11,14 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxremat.chain import Chain
+from jaxremat.chain import Chain, tree_bytes
 from jaxremat.costs import ChainCosts
 from jaxremat.executor import execute
 from jaxremat.profiler import profile
 from jaxremat.schedule import Schedule
-from jaxremat.solvers import solve
+from jaxremat.solvers import budget_bytes, solve
+from jaxremat.solvers.periodic import MAX_PERIOD, solve_periodic
+from jaxremat.solvers.regular import regularise, stage_classes
 
 FORMAT = "jaxremat-plan"
 VERSION = 1
@@ -27,7 +29,7 @@ def signature(chain: Chain, variables: Any, sample: Any) -> str:
     leaves = lambda t: [(tuple(np.shape(x)), str(x.dtype)) for x in jax.tree.leaves(t)]  # noqa: E731
     parts = [
         [st.key or st.kind for st in chain.stages],
-        [leaves(v) for v in chain.split(variables)],
+        [leaves(v) for v in chain.stage_shapes(variables)],
         leaves(sample),
     ]
     return json.dumps(parts, sort_keys=True)
@@ -112,6 +114,7 @@ def plan(
     slots: int = 500,
     costs: ChainCosts | None = None,
     calibrate: bool = False,
+    max_period: int = MAX_PERIOD,
     **profile_options: Any,
 ) -> Plan:
     """Profile ``chain`` (unless ``costs`` are given) and solve for ``budget``.
@@ -120,10 +123,17 @@ def plan(
     budget is corrected until the measured peak fits (:func:`jaxremat.calibrate.calibrated_solve`;
     a few compilations), so the plan's memory is what XLA uses rather than what the cost model
     predicts.
+
+    A chain with :class:`~jaxremat.Repeat` layers gets, for ``algorithm="optimal"``, the
+    fastest schedule that repeats one pattern of at most ``max_period`` stages over each of them
+    (:func:`~jaxremat.solvers.periodic.solve_periodic`), so that each runs as one ``lax.scan``
+    over its stacked parameters, without copies and with compile time flat in depth.
     """
     if costs is None:
         costs = profile(chain, variables, sample, method=method, **profile_options)
-    if calibrate:
+    if chain.stacked and algorithm in ("optimal", "rotor") and not calibrate:
+        schedule = _periodic(chain, variables, costs, budget, slots, max_period)
+    elif calibrate:
         from jaxremat.calibrate import calibrated_solve, step_temp
 
         measure = functools.partial(step_temp, chain, variables, sample)
@@ -132,3 +142,17 @@ def plan(
         schedule = solve(costs, budget, algorithm=algorithm, slots=slots)
     return Plan(schedule, signature(chain, variables, sample))
 
+
+def _periodic(chain: Chain, variables: Any, costs: ChainCosts, budget: Any, slots: int, max_period: int) -> Schedule:
+    """For a chain with Repeat layers: the fastest schedule that repeats one pattern over each
+    (so each runs as one scan over its stacked variables), with the loop's transients counted;
+    when none fits, the optimal schedule with alike units grouped (the executor then warns)."""
+    groups = [(g.start, g.length) for g in chain.stacked]
+    param_bytes = [tree_bytes(v) for v in chain.stage_shapes(variables)]
+    target = budget_bytes(costs, budget)
+    found = solve_periodic(costs, target, groups, max_period=max_period, param_bytes=param_bytes)
+    if found is not None:
+        return found
+    best = solve(costs, budget, slots=slots)  # InfeasibleBudget below the least budget of all
+    classes = [(st.key, tuple(np.shape(t) for t in jax.tree.leaves(v))) for st, v in zip(chain.stages, chain.stage_shapes(variables))]
+    return regularise(best, [(c, k) for c, k in zip(classes, stage_classes(best))])

@@ -7,12 +7,13 @@ import dataclasses
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jax_core
 
 from jaxremat import cache as disk_cache
 from jaxremat.chain import Chain, Stage, tree_bytes
@@ -21,7 +22,7 @@ from jaxremat.xla_memory import REMAT_OPTIONS, bytes_kept_across_barrier, transi
 
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -106,18 +107,45 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape) -> int:
     return bytes_kept_across_barrier(kept, params, a_shape, rest, rng, cot_shape, activations=acts)[1]
 
 
+def scan_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any) -> int:
+    """Bytes a ``lax.scan`` saves per iteration for a stage's backward, output included.
+
+    A loop keeps its body's residuals as JAX's autodiff chooses them (stacked outputs of the
+    forward loop), not as XLA would after fusing the backward: these are the residuals of
+    ``jax.vjp`` that are not the stage's inputs (parameters are scanned inputs, handed to the
+    backward loop as they are; the input is the previous stage's output), plus the output.
+    """
+    def residuals(p, x, r, k):
+        out, pull = jax.vjp(lambda p, x: g(p, x, r, k), p, x)
+        return jax.tree.leaves(pull), out
+
+    closed = jax.make_jaxpr(residuals)(params, a_shape, rest, rng)
+    inputs = set(closed.jaxpr.invars)
+    seen: set = set()
+    total = 0
+    for v in closed.jaxpr.outvars:
+        if isinstance(v, jax_core.Var) and v not in inputs and v not in seen:
+            seen.add(v)
+            total += int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
+    return total
+
+
 def profile_stage(
     st: Stage, variables: dict, a_shape: Any, *, method: str, rates: Rates | None, repeats: int = 5,
-    input_grad: bool = True,
+    input_grad: bool = True, scanned: bool = False,
 ) -> StageProfile:
     """Measure one stage. ``input_grad=False`` (the chain's first stage) leaves the input's
-    gradient out of the backward, as a training step never computes it."""
+    gradient out of the backward, as a training step never computes it. ``scanned=True`` (a
+    :class:`~jaxremat.Repeat`'s copies, stored inside a loop) counts in ``xbar`` at least what
+    the loop saves (:func:`scan_residual_bytes`)."""
     g = _stage_fn(st)
     params, rest = _split_params(jax.tree.map(_abstract, variables))  # shapes only: works under a trace
     rng = jax.random.key(0)
     out_shape = jax.eval_shape(g, params, a_shape, rest, rng)
     cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), out_shape)
     xbar = kept_bytes(g, params, a_shape, rest, rng, cot_shape)
+    if scanned:
+        xbar = max(xbar, scan_residual_bytes(g, params, a_shape, rest, rng))
 
     fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(REMAT_OPTIONS)
     def pullback(p, x, r, k):
@@ -250,13 +278,14 @@ def profile_stages(
         rates = device_rates(use_cache=cache)
     shapes = chain.shapes(variables, sample)
     per_stage = chain.split(variables)
+    scanned = [chain.group_of(i) is not None for i in range(len(chain))]
     use_disk = disk_cache.enabled(cache)
     seen: dict[str, StageProfile] = {}  # identical stages are measured once
     stages: list[StageProfile] = []
     with _progress(len(chain), quiet) as advance:
         for i, (st, v) in enumerate(zip(chain.stages, per_stage)):
             key = disk_cache.make_key(
-                "stage", PROFILE_VERSION, i == 0, st.key or st.name, _signature(v), _signature(shapes[i]), method,
+                "stage", PROFILE_VERSION, i == 0, scanned[i], st.key or st.name, _signature(v), _signature(shapes[i]), method,
                 None if rates is None else dataclasses.asdict(rates), repeats if method == "measure" else 0,
                 jax.default_backend(), jax.__version__,
             )
@@ -269,7 +298,9 @@ def profile_stages(
                     except TypeError:
                         prof = None
             if prof is None:
-                prof = profile_stage(st, v, shapes[i], method=method, rates=rates, repeats=repeats, input_grad=i > 0)
+                prof = profile_stage(
+                    st, v, shapes[i], method=method, rates=rates, repeats=repeats, input_grad=i > 0, scanned=scanned[i]
+                )
                 if use_disk and st.key:
                     disk_cache.store(key, dataclasses.asdict(prof))
             seen[key] = prof

@@ -10,6 +10,8 @@ from jaxremat.chain import Chain
 from jaxremat.costs import ChainCosts
 from jaxremat.executor import execute
 from jaxremat.plans import Plan, plan, signature
+from jaxremat.profiler import profile
+from jaxremat.solvers.periodic import MAX_PERIOD
 
 
 class RematChain:
@@ -33,11 +35,12 @@ class RematChain:
         mutable: tuple[str, ...] = (),
         rng_streams: tuple[str, ...] = (),
         plan: Plan | None = None,
+        max_period: int = MAX_PERIOD,
     ):
         self.model = model
         self.chain = Chain.from_linen(model, mutable=mutable, rng_streams=rng_streams)
         self.budget, self.algorithm, self.method, self.slots = budget, algorithm, profile, slots
-        self.calibrate = calibrate
+        self.calibrate, self.max_period = calibrate, max_period
         self._costs: dict[str, ChainCosts] = {}  # by signature
         self._plans: dict[str, Plan] = {}
         if plan is not None:
@@ -64,13 +67,12 @@ class RematChain:
         return self._plans[key]
 
     def _make_plan(self, key: str, variables: Any, x: Any) -> None:
-        p = plan(
-            self.chain, variables, x, self.budget, algorithm=self.algorithm, method=self.method, slots=self.slots,
-            costs=self._costs.get(key),  # same shapes, new budget: solve again, no profiling
-            calibrate=self.calibrate, quiet=True,
+        if key not in self._costs:  # same shapes, new budget: solve again, no profiling
+            self._costs[key] = profile(self.chain, variables, x, method=self.method, quiet=True)
+        self._plans[key] = plan(
+            self.chain, variables, x, self.budget, algorithm=self.algorithm, slots=self.slots,
+            costs=self._costs[key], calibrate=self.calibrate, max_period=self.max_period,
         )
-        self._costs[key] = p.costs
-        self._plans[key] = p
 
     def apply(self, variables: Any, x: Any, rngs: dict | None = None, mutable: Any = False) -> Any:
         """As ``model.apply``: the output, or ``(output, updated collections)`` when ``mutable``."""
@@ -92,7 +94,8 @@ def remat_chain(budget: Any, **options: Any):
     whose instances are ``nn.Sequential`` (``@remat_chain("40%") class Net(nn.Sequential): ...``),
     in which case calling the class returns the wrapped instance. Options: ``algorithm``,
     ``profile`` ("measure" or "xla"), ``slots``, ``calibrate`` (correct the plan with XLA's
-    measured memory, see :func:`jaxremat.plan`), ``mutable``, ``rng_streams``, ``plan``.
+    measured memory, see :func:`jaxremat.plan`), ``mutable``, ``rng_streams``, ``plan``,
+    ``max_period`` (the longest pattern repeated over a :class:`~jaxremat.Repeat` layer).
     """
 
     def wrap(model: Any) -> Any:

@@ -12,7 +12,8 @@ import pytest
 
 import jaxremat as jr
 from jaxremat.chain import Chain
-from jaxremat.executor import Leaf, Region, Store, execute, parse
+from jaxremat.executor import execute
+from jaxremat.tree import Leaf, Region, Store, parse
 from jaxremat.profiler import Rates, profile
 from jaxremat.solvers import baselines
 

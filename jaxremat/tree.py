@@ -1,0 +1,149 @@
+"""The tree of a persistent schedule (``COST_MODEL.md``), read from and written back to its op list.
+
+For a segment of stages ``s .. t`` (stage ``L`` is the loss) the ops are one of
+
+* ``Fall s, <ops of s+1 .. t>, B s`` (:class:`Store`): stage ``s`` keeps its residuals;
+* ``Fck s, Fn s+1 .. Fn j-1, <ops of j .. t>, <ops of s .. j-1>`` (:class:`Region`): stages
+  ``s .. j-1`` keep only their input ``a_s`` and are recomputed following ``<ops of s .. j-1>``;
+* ``Fall s, B s`` / ``Loss`` (:class:`Leaf`) for a single stage.
+
+A segment is a *spine*: a sequence of top-level units (stores and regions) ending in a leaf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from jaxremat.simulate import Op
+
+
+@dataclass(frozen=True)
+class Store:
+    """Stage ``stage`` runs plainly, then ``rest`` (stages ``stage+1 .. t``)."""
+
+    stage: int
+    rest: "Node"
+
+
+@dataclass(frozen=True)
+class Region:
+    """Stages ``start .. stop-1`` in a checkpoint region recomputed as ``inner``; then ``rest``."""
+
+    start: int
+    stop: int
+    inner: "Node"
+    rest: "Node"
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A single stage (``Fall s, B s``) or the loss (``stage == L``)."""
+
+    stage: int
+
+
+Node = Store | Region | Leaf
+
+
+def parse(ops: Sequence[Op], L: int) -> Node:
+    """The tree of a persistent schedule; ``ValueError`` if ``ops`` is not one."""
+    ops = [(str(k), int(i)) for k, i in ops]
+    pos = 0
+
+    def expect(kind: str, i: int) -> None:
+        nonlocal pos
+        if pos >= len(ops) or ops[pos] != (kind, i):
+            got = ops[pos] if pos < len(ops) else "the end"
+            raise ValueError(
+                f"not a persistent schedule: expected ({kind!r}, {i}) at op #{pos}, got {got}; "
+                "execute() runs the tree-shaped schedules that jaxremat's solvers produce"
+            )
+        pos += 1
+
+    def segment(s: int, t: int) -> Node:
+        nonlocal pos
+        if s == t:
+            if s == L:
+                expect("Loss", L)
+            else:
+                expect("Fall", s)
+                expect("B", s)
+            return Leaf(s)
+        if pos < len(ops) and ops[pos] == ("Fall", s):
+            pos += 1
+            rest = segment(s + 1, t)
+            expect("B", s)
+            return Store(s, rest)
+        expect("Fck", s)
+        j = s + 1
+        while pos < len(ops) and ops[pos] == ("Fn", j) and j < t:
+            pos += 1
+            j += 1
+        rest = segment(j, t)
+        inner = segment(s, j - 1)
+        return Region(s, j, inner, rest)
+
+    tree = segment(0, L)
+    if pos != len(ops):
+        raise ValueError(f"not a persistent schedule: {len(ops) - pos} op(s) left after the backward, from op #{pos}")
+    return tree
+
+
+Unit = tuple  # ("store", i) or ("region", start, stop, inner): a top-level piece of a spine
+
+
+def units(node: Node) -> tuple[list[Unit], Leaf]:
+    """A segment's tree as its sequence of top-level units and its final leaf."""
+    units: list[Unit] = []
+    while not isinstance(node, Leaf):
+        if isinstance(node, Store):
+            units.append(("store", node.stage))
+        else:
+            units.append(("region", node.start, node.stop, node.inner))
+        node = node.rest
+    return units, node
+
+
+def shape(node: Node, base: int) -> tuple:
+    """The structure of a tree with stage indices relative to ``base``."""
+    if isinstance(node, Leaf):
+        return ("leaf", node.stage - base)
+    if isinstance(node, Store):
+        return ("store", node.stage - base, shape(node.rest, base))
+    return ("region", node.start - base, node.stop - base, shape(node.inner, base), shape(node.rest, base))
+
+
+def span(unit: Unit) -> tuple[int, int]:
+    return (unit[1], unit[1] + 1) if unit[0] == "store" else (unit[1], unit[2])
+
+
+def shift(node: Node, d: int) -> Node:
+    """``node`` with every stage index moved by ``d``."""
+    if isinstance(node, Leaf):
+        return Leaf(node.stage + d)
+    if isinstance(node, Store):
+        return Store(node.stage + d, shift(node.rest, d))
+    return Region(node.start + d, node.stop + d, shift(node.inner, d), shift(node.rest, d))
+
+
+def build(spine: Sequence[Unit], leaf: Leaf) -> Node:
+    """The tree of a spine (the inverse of :func:`units`)."""
+    node: Node = leaf
+    for u in reversed(spine):
+        node = Store(u[1], node) if u[0] == "store" else Region(u[1], u[2], u[3], node)
+    return node
+
+
+def to_ops(node: Node, L: int) -> list[Op]:
+    """The op list of a tree (the inverse of :func:`parse`)."""
+    if isinstance(node, Leaf):
+        return [("Loss", L)] if node.stage == L else [("Fall", node.stage), ("B", node.stage)]
+    if isinstance(node, Store):
+        return [("Fall", node.stage), *to_ops(node.rest, L), ("B", node.stage)]
+    return [
+        ("Fck", node.start),
+        *[("Fn", j) for j in range(node.start + 1, node.stop)],
+        *to_ops(node.rest, L),
+        *to_ops(node.inner, L),
+    ]
