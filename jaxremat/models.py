@@ -13,6 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxremat.repeat import Repeat
+
 
 # -- ResNet-style CNN -----------------------------------------------------------------------------
 
@@ -97,10 +99,14 @@ class LMHead(nn.Module):
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
-def gpt(blocks: int = 12, width: int = 128, heads: int = 4, vocab: int = 512) -> nn.Sequential:
+def gpt(blocks: int = 12, width: int = 128, heads: int = 4, vocab: int = 512, *, stacked: bool = False) -> nn.Sequential:
     """A GPT-2-style decoder: token and position embedding, ``blocks`` decoder blocks, a language
-    model head. Input: integer tokens ``(B, T)``; output logits ``(B, T, vocab)``."""
-    return nn.Sequential([Embed(vocab, width), *[DecoderBlock(width, heads) for _ in range(blocks)], LMHead(vocab)])
+    model head. Input: integer tokens ``(B, T)``; output logits ``(B, T, vocab)``.
+
+    ``stacked=True`` writes the blocks as one :class:`~jaxremat.Repeat` (parameters stacked, as
+    with ``nn.scan``) instead of ``blocks`` separate layers."""
+    body = [Repeat(DecoderBlock(width, heads), blocks)] if stacked else [DecoderBlock(width, heads) for _ in range(blocks)]
+    return nn.Sequential([Embed(vocab, width), *body, LMHead(vocab)])
 
 
 # -- a strongly heterogeneous chain: a convolutional autoencoder ------------------------------------

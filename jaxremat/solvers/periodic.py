@@ -9,8 +9,8 @@ parameter bytes that no plan counts (measured: 1x-2x the parameters of a 48-bloc
 
 :func:`solve_periodic` searches those schedules: every pattern of up to ``max_period`` stages
 made of stored stages and regions (keeping their stages' residuals inside, or checkpointing each
-of them again), the other stages stored, each candidate replayed by the simulator, the fastest
-within the budget kept. Patterns are few (dozens for ``max_period=4``), so this takes milliseconds.
+of them again), the other stages all stored or all checkpointed alone, each candidate replayed by
+the simulator, the fastest within the budget kept. Patterns are few (dozens for ``max_period=4``), so this takes milliseconds.
 """
 
 from __future__ import annotations
@@ -59,9 +59,11 @@ def _unit(part: Part, s: int) -> Unit:
     return ("region", s, s + k, build(inner, Leaf(s + k - 1)))
 
 
-def periodic_tree(L: int, groups: Sequence[tuple[int, int]], pattern_of: dict[int, tuple[Part, ...]]) -> Node:
+def periodic_tree(
+    L: int, groups: Sequence[tuple[int, int]], pattern_of: dict[int, tuple[Part, ...]], outside: str = "store"
+) -> Node:
     """The schedule tree with group ``(start, length)`` repeating ``pattern_of[start]`` and every
-    stage outside the groups stored."""
+    stage outside the groups stored (``outside="store"``) or checkpointed alone (``"region"``)."""
     spine: list[Unit] = []
     starts = {s: n for s, n in groups}
     i = 0
@@ -73,7 +75,7 @@ def periodic_tree(L: int, groups: Sequence[tuple[int, int]], pattern_of: dict[in
                     spine.append(_unit(part, i))
                     i += part[1]
         else:
-            spine.append(("store", i))
+            spine.append(_unit((outside, 1), i))
             i += 1
     return build(spine, Leaf(L))
 
@@ -134,10 +136,10 @@ def solve_periodic(
     }
     best: tuple | None = None
     for _ in range(2 if len(groups) > 1 else 1):
-        for s, _n in groups:
+        for (s, _n), outside in itertools.product(groups, ("store", "region")):
             for pat in options[s]:
                 trial = {**choice, s: pat}
-                ops = to_ops(periodic_tree(L, groups, trial), L)
+                ops = to_ops(periodic_tree(L, groups, trial, outside), L)
                 c = costs
                 if param_bytes is not None:
                     c = loop_costs(costs, groups, {g: sum(k for _, k in trial[g]) for g, _ in groups}, param_bytes)

@@ -1,0 +1,215 @@
+"""Repeat layers: stacked parameters, periodic schedules run as one scan, exact gradients, planned memory."""
+
+from __future__ import annotations
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxremat as jr
+from jaxremat.calibrate import compile_schedule_step
+from jaxremat.chain import Chain, stage_rngs
+from jaxremat.executor import as_planned, execute
+from jaxremat.models import gpt
+from jaxremat.profiler import Rates, profile
+from jaxremat.schedule import Schedule
+from jaxremat.solvers import baselines
+from jaxremat.solvers.periodic import patterns, periodic_tree, solve_periodic
+from jaxremat.solvers.regular import _kind, regularise
+from jaxremat.tree import parse, span, to_ops, units
+
+
+class Noisy(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=False)(x)
+        return nn.Dropout(0.3, deterministic=False)(nn.tanh(x))
+
+
+class Block(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        return x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(h)))
+
+
+def _noisy_model(n: int = 12):
+    model = nn.Sequential([nn.Dense(16), jr.Repeat(Noisy(), n), nn.Dense(3)])
+    chain = Chain.from_linen(model, mutable=("batch_stats",), rng_streams=("dropout",))
+    x = jax.random.normal(jax.random.key(1), (8, 5))
+    v = model.init({"params": jax.random.key(0), "dropout": jax.random.key(3)}, x)
+    return model, chain, v, x
+
+
+def test_repeat_is_a_scanned_stack_and_a_chain_of_its_copies():
+    model, chain, v, x = _noisy_model(5)
+    assert len(chain) == 7 and [(g.layer, g.start, g.length) for g in chain.stacked] == [(1, 1, 5)]
+    assert v["params"]["layers_1"]["body"]["Dense_0"]["kernel"].shape == (5, 16, 16)
+    per = chain.split(v)
+    assert len(per) == 7 and per[3]["params"]["Dense_0"]["kernel"].shape == (16, 16)
+    jax.tree.map(np.testing.assert_array_equal, chain.merge(per), dict(v))
+    assert jax.tree.map(jnp.shape, chain.init(jax.random.key(0), x)) == jax.tree.map(jnp.shape, dict(v))
+    plain = nn.Sequential([nn.Dense(8), jr.Repeat(Block(8), 4)])
+    pv = plain.init(jax.random.key(0), x)
+    np.testing.assert_allclose(Chain.from_linen(plain).apply(pv, x), plain.apply(pv, x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="length must be a positive int"):
+        jr.Repeat(Block(8), 0)
+
+
+def _reference(chain, v, x, rngs):
+    def plain(v, x, rngs):
+        per, a, up = chain.split(v), x, {}
+        for i, stage in enumerate(chain.stages):
+            a, new = stage.apply(per[i], a, stage_rngs(rngs, i))
+            if new:
+                up[i] = new
+        return a, up
+
+    return plain
+
+
+def _grads(f, v, x, rngs):
+    def loss(p):
+        out, up = f({**v, "params": p}, x, rngs)
+        return jnp.mean(out**2), (out, up)
+
+    return jax.value_and_grad(loss, has_aux=True)(v["params"])
+
+
+S, R = ("store", 1), ("region", 1)
+PATTERNS = [(S,), (R, S), (("region", 2), S), (S, ("nested", 3)), (R, R, S, R), (("nested", 4),)]
+
+
+def test_periodic_schedules_match_plain_autodiff_with_dropout_and_batch_stats():
+    _, chain, v, x = _noisy_model(12)
+    rngs = {"dropout": jax.random.key(7)}
+    (rl, (ro, ru)), rg = jax.jit(lambda v: _grads(_reference(chain, v, x, rngs), v, x, rngs))(v)
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    for pattern in PATTERNS:
+        ops = to_ops(periodic_tree(len(chain), [(1, 12)], {1: pattern}), len(chain))
+        f = execute(chain, Schedule.from_ops(costs, ops, budget=None, algorithm="optimal"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a periodic layer runs without the copies warning
+            jaxpr = str(jax.make_jaxpr(as_planned(lambda v: _grads(f, v, x, rngs)))(v))
+        assert jaxpr.count(" scan[") == 2  # the layer's forward loop and its backward loop
+        (loss, (out, upd)), g = jr.jit(lambda v: _grads(f, v, x, rngs))(v)
+        np.testing.assert_allclose(loss, rl, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out, ro, rtol=1e-5, atol=1e-6)  # same dropout masks
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, rg)
+        assert sorted(upd) == sorted(ru)  # batch_stats updated once per copy
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), upd, ru)
+
+
+def test_every_pattern_is_a_valid_schedule():
+    L = 14
+    costs = jr.ChainCosts.uniform(L, x=4, xbar=12)
+    for p in (1, 2, 3, 4):
+        for pattern in patterns(p):
+            if 12 % p == 0:
+                for outside in ("store", "region"):
+                    jr.simulate(costs, to_ops(periodic_tree(L, [(1, 12)], {1: pattern}, outside), L))
+
+
+def test_a_schedule_that_does_not_repeat_a_pattern_warns_and_stays_exact():
+    _, chain, v, x = _noisy_model(6)
+    rngs = {"dropout": jax.random.key(7)}
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    f = execute(chain, Schedule.from_ops(costs, baselines.revolve(len(chain), 2), budget=None, algorithm="revolve"))
+    with pytest.warns(UserWarning, match="does not repeat one pattern over Repeat layer 1"):
+        (loss, _), g = jr.jit(lambda v: _grads(f, v, x, rngs))(v)
+    (rl, _), rg = jax.jit(lambda v: _grads(_reference(chain, v, x, rngs), v, x, rngs))(v)
+    np.testing.assert_allclose(loss, rl, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, rg)
+
+
+def test_remat_chain_trains_a_repeat_model_like_the_plain_one():
+    model = nn.Sequential([nn.Dense(16), jr.Repeat(Block(16), 8), nn.Dense(1)])
+    x = jax.random.normal(jax.random.key(1), (32, 4))
+    wrapped = jr.remat_chain("40%", profile="xla")(model)
+    v = wrapped.init(jax.random.key(0), x)
+    assert jax.tree.structure(v) == jax.tree.structure(model.init(jax.random.key(0), x))
+    p = wrapped.plan(v, x)
+    assert p.schedule.note == "periodic" and p.predicted_peak <= p.schedule.budget
+    loss = lambda apply, v: jnp.mean((apply(v, x) - 1.0) ** 2)  # noqa: E731
+    g = jr.jit(jax.grad(lambda v: loss(wrapped.apply, v)))(v)
+    ref = jax.jit(jax.grad(lambda v: loss(model.apply, v)))(v)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, ref)
+
+
+def test_repeat_transformer_step_stays_within_its_plan():
+    """XLA's temp memory of the whole step <= 1.10x the plan (loop transients counted), at 30%,
+    50% and 75% of the store-all peak; the layer runs as one loop (no copies warning)."""
+    model = gpt(blocks=12, width=64, heads=4, vocab=128, stacked=True)
+    x = jax.random.randint(jax.random.key(1), (4, 64), 0, 128)
+    chain = Chain.from_linen(model)
+    v = model.init(jax.random.key(0), x)
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    for share in ("30%", "50%", "75%"):
+        p = jr.plan(chain, v, x, share, costs=costs)
+        assert p.schedule.note == "periodic"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            temp = compile_schedule_step(chain, v, x, p.schedule).memory_analysis().temp_size_in_bytes
+        assert temp <= 1.10 * (p.predicted_peak - int(p.costs.x[0])), share
+
+
+def _uniform_with_group(L: int, start: int, n: int, xbar: int) -> tuple[jr.ChainCosts, list[tuple[int, int]]]:
+    return jr.ChainCosts.uniform(L, x=4, xbar=xbar, fwd_tmp=1, bwd_tmp=2), [(start, n)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 12), st.integers(0, 3), st.integers(0, 3), st.integers(5, 40), st.floats(0.2, 1.0))
+def test_periodic_solver_fits_repeats_and_beats_the_periodic_baselines(n, before, after, xbar, share):
+    L = before + n + after
+    costs, groups = _uniform_with_group(L, before, n, xbar)
+    budget = int(share * jr.store_all_peak(costs))
+    sched = solve_periodic(costs, budget, groups)
+    base = [baselines.store_all(L), baselines.every_stage(L)]
+    if sched is None:
+        assert all(jr.simulate(costs, ops)[0] > budget for ops in base)
+        return
+    assert sched.peak <= budget and jr.simulate(costs, sched.ops) == (sched.peak, sched.time)
+    spine = [u for u in units(parse(sched.ops, L))[0] if before <= span(u)[0] < before + n]
+    shapes = [(u[0], span(u)[1] - span(u)[0]) for u in spine]
+    period = next(m for m in range(1, len(shapes) + 1) if shapes == shapes[:m] * (len(shapes) // m))
+    assert sum(k for _, k in shapes[:period]) <= 4  # one pattern of at most MAX_PERIOD stages
+    for ops in base:  # stored before and after the group, one kind of unit over it: candidates too
+        peak, time = jr.simulate(costs, ops)
+        if peak <= budget:
+            assert sched.time <= time + 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(3, 24), st.floats(0.05, 1.0), st.integers(0, 2))
+def test_regularise_never_worsens_and_groups_alike_units(L, share, first_differs):
+    xbar = [12] * L
+    for i in range(first_differs):
+        xbar[i] = 7
+    costs = jr.ChainCosts(x=[4] * (L + 1), xbar=xbar, fwd=[1.0] * L, bwd=[2.0] * L, fwd_tmp=[1] * L, bwd_tmp=[2] * L)
+    budget = int(max(share * jr.store_all_peak(costs), jr.min_budget(costs)))
+    sched = jr.solve(costs, budget)
+    out = regularise(sched)
+    assert out.peak <= sched.peak and out.time <= sched.time * (1 + 1e-9)
+    assert sorted(k for k, _ in out.ops) == sorted(k for k, _ in sched.ops)
+    kinds = [_kind(u) for u in units(parse(out.ops, L))[0] if span(u)[0] >= first_differs]
+    runs = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
+    assert len(runs) == len(set(kinds))  # each kind of unit in one run
+
+
+def test_regularise_groups_the_dp_interleaving_on_identical_stages():
+    costs = jr.ChainCosts.uniform(48, x=65536, xbar=2_700_000, fwd_tmp=300_000, bwd_tmp=600_000)
+    sched = jr.solve(costs, "50%")
+    out = regularise(sched)
+    kinds = [(u[0], span(u)[1] - span(u)[0]) for u in units(parse(out.ops, 48))[0]]
+    runs = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
+    assert len(runs) == len(set(kinds))  # every kind of unit in one run
+    assert out.peak <= sched.peak and out.time <= sched.time * (1 + 1e-9)
