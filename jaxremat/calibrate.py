@@ -11,7 +11,7 @@ slack) until the measured peak is within a hair of the budget. It returns the fa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -151,4 +151,32 @@ def _next_budget(
         if (up and work == hi) or (not up and work == lo):
             return None
         work, step = work + step if up else work - step, step * 2
+    return None
+
+
+def calibrated_pick(
+    candidates: Sequence[Schedule],
+    budget: int,
+    measure: Callable[[Schedule], int],
+    *,
+    optimistic: Callable[[Schedule], int],
+    tries: int = 6,
+) -> Calibrated | None:
+    """The fastest of ``candidates`` (sorted fastest first) whose measured peak fits ``budget``.
+
+    Candidates whose ``optimistic(schedule)`` peak is above the budget are skipped unmeasured;
+    at most ``tries`` are compiled (``measure`` as in :func:`calibrated_solve`, ``a_0`` added).
+    ``None`` when none of those tried fits.
+    """
+    log: list[tuple[int, int, int]] = []
+    for sched in candidates:
+        if len(log) >= tries:
+            break
+        if optimistic(sched) > budget:
+            continue
+        got = measure(sched) + int(sched.costs.x[0])
+        log.append((budget, sched.peak, got))
+        if got <= budget:
+            chosen = Schedule(sched.ops, sched.time, sched.peak, budget, sched.algorithm, sched.costs, sched.note)
+            return Calibrated(chosen, got, tuple(log))
     return None

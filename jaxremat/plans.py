@@ -17,7 +17,7 @@ from jaxremat.executor import execute
 from jaxremat.profiler import profile
 from jaxremat.schedule import Schedule
 from jaxremat.solvers import budget_bytes, solve
-from jaxremat.solvers.periodic import MAX_PERIOD, solve_periodic
+from jaxremat.solvers.periodic import MAX_PERIOD, periodic_schedules, solve_periodic
 from jaxremat.solvers.regular import regularise, stage_classes
 
 FORMAT = "jaxremat-plan"
@@ -131,8 +131,12 @@ def plan(
     """
     if costs is None:
         costs = profile(chain, variables, sample, method=method, **profile_options)
-    if chain.stacked and algorithm in ("optimal", "rotor") and not calibrate:
-        schedule = _periodic(chain, variables, costs, budget, slots, max_period)
+    if chain.stacked and algorithm in ("optimal", "rotor"):
+        schedule = None
+        if calibrate:
+            schedule = _calibrated_periodic(chain, variables, sample, costs, budget, max_period)
+        if schedule is None:
+            schedule = _periodic(chain, variables, costs, budget, slots, max_period)
     elif calibrate:
         from jaxremat.calibrate import calibrated_solve, step_temp
 
@@ -141,6 +145,25 @@ def plan(
     else:
         schedule = solve(costs, budget, algorithm=algorithm, slots=slots)
     return Plan(schedule, signature(chain, variables, sample))
+
+
+def _calibrated_periodic(
+    chain: Chain, variables: Any, sample: Any, costs: ChainCosts, budget: Any, max_period: int
+) -> Schedule | None:
+    """The fastest periodic schedule whose step, compiled by XLA, fits the budget (fastest
+    candidates first, skipping those whose plain prediction is above the budget by more than
+    XLA was seen to save; a few compilations); ``None`` when none tried fits."""
+    from jaxremat.calibrate import calibrated_pick, step_temp
+    from jaxremat.simulate import simulate
+
+    groups = [(g.start, g.length) for g in chain.stacked]
+    param_bytes = [tree_bytes(v) for v in chain.stage_shapes(variables)]
+    candidates = periodic_schedules(costs, groups, max_period=max_period, param_bytes=param_bytes)
+    measure = functools.partial(step_temp, chain, variables, sample)
+    found = calibrated_pick(
+        candidates, budget_bytes(costs, budget), measure, optimistic=lambda s: int(0.85 * simulate(costs, s.ops)[0])
+    )
+    return None if found is None else found.schedule
 
 
 def _periodic(chain: Chain, variables: Any, costs: ChainCosts, budget: Any, slots: int, max_period: int) -> Schedule:

@@ -213,3 +213,24 @@ def test_regularise_groups_the_dp_interleaving_on_identical_stages():
     runs = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
     assert len(runs) == len(set(kinds))  # every kind of unit in one run
     assert out.peak <= sched.peak and out.time <= sched.time * (1 + 1e-9)
+
+
+def test_calibrated_pick_takes_the_fastest_candidate_that_measures_within_budget():
+    from jaxremat.calibrate import calibrated_pick
+    from jaxremat.solvers.periodic import periodic_schedules
+
+    costs = jr.ChainCosts.uniform(14, x=4, xbar=40, fwd_tmp=1, bwd_tmp=2)
+    cands = periodic_schedules(costs, [(1, 12)])
+    assert [s.time for s in cands] == sorted(s.time for s in cands)
+    budget = int(0.5 * jr.store_all_peak(costs))
+    measured = []
+
+    def measure(s):  # a stand-in for XLA: 90% of the prediction, less the input
+        measured.append(s)
+        return int(0.9 * s.peak) - int(costs.x[0])
+
+    got = calibrated_pick(cands, budget, measure, optimistic=lambda s: int(0.85 * s.peak), tries=50)
+    fits = [s for s in cands if int(0.9 * s.peak) <= budget]
+    assert got is not None and got.schedule.ops == fits[0].ops and got.measured_peak <= budget
+    assert all(int(0.85 * s.peak) <= budget for s in measured)  # the hopeless are not compiled
+    assert calibrated_pick(cands, 1, measure, optimistic=lambda s: 0, tries=3) is None

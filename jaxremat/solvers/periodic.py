@@ -154,4 +154,33 @@ def solve_periodic(
     return Schedule.from_ops(best[3], best[1], budget=budget, algorithm="optimal", note="periodic")
 
 
-__all__ = ["MAX_PERIOD", "loop_costs", "patterns", "periodic_tree", "solve_periodic"]
+def periodic_schedules(
+    costs: ChainCosts,
+    groups: Sequence[tuple[int, int]],
+    *,
+    max_period: int = MAX_PERIOD,
+    param_bytes: Sequence[int] | None = None,
+    limit: int = 5000,
+) -> list[Schedule]:
+    """Every periodic schedule (each group's pattern, the stages outside stored or checkpointed),
+    fastest first, each on :func:`loop_costs` when ``param_bytes`` is given; ``ValueError`` if
+    there are more than ``limit``."""
+    L = costs.length
+    _check_groups(L, groups)
+    options = [[pat for p in range(1, min(max_period, n) + 1) if n % p == 0 for pat in patterns(p)] for _, n in groups]
+    count = 2 * int(np.prod([len(o) for o in options]))
+    if count > limit:
+        raise ValueError(f"{count} periodic schedules for these groups, more than the limit of {limit}; lower max_period")
+    out = []
+    for outside in ("store", "region"):
+        for combo in itertools.product(*options):
+            trial = {s: pat for (s, _), pat in zip(groups, combo)}
+            c = costs
+            if param_bytes is not None:
+                c = loop_costs(costs, groups, {g: sum(k for _, k in trial[g]) for g, _ in groups}, param_bytes)
+            ops = to_ops(periodic_tree(L, groups, trial, outside), L)
+            out.append(Schedule.from_ops(c, ops, budget=None, algorithm="optimal", note="periodic"))
+    return sorted(out, key=lambda s: (s.time, s.peak))
+
+
+__all__ = ["MAX_PERIOD", "loop_costs", "patterns", "periodic_schedules", "periodic_tree", "solve_periodic"]
