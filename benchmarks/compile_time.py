@@ -73,6 +73,36 @@ def repeat_rows(blocks: int, t_base: float) -> list[tuple[str, float, str, str]]
     return rows
 
 
+def depth_table(depths: list[int]) -> None:
+    """Compile time of nn.scan(nn.remat(block)) and of jaxremat's Repeat plans at several depths."""
+    x = jnp.ones((BATCH, TOKENS, WIDTH))
+    lines = [
+        "# Compile time against depth, transformer blocks (width "
+        f"{WIDTH}, {TOKENS} tokens), CPU",
+        "",
+        f"Measured {datetime.date.today().isoformat()}, jax {jax.__version__}. Command: "
+        f"`python benchmarks/compile_time.py --depths {' '.join(map(str, depths))}`. Seconds to trace, lower "
+        "and compile the loss-and-gradients step (best of two); in brackets, over nn.scan(nn.remat(block)) "
+        "at the same depth.",
+        "",
+        "| step | " + " | ".join(f"{d} blocks" for d in depths) + " |",
+        "|---|" + "---|" * len(depths),
+    ]
+    table: dict[str, list[str]] = {}
+    for d in depths:
+        base = Scanned(d)
+        bv = base.init(jax.random.key(0), x)
+        t_base = compile_seconds(jax.grad(lambda v: jnp.mean(base.apply(v, x) ** 2)), bv)
+        table.setdefault("nn.scan(nn.remat(block))", []).append(f"{t_base:.2f}")
+        for name, t, _, _ in repeat_rows(d, t_base):
+            key = name.split(", Repeat")[0] + ", Repeat"
+            table.setdefault(key, []).append(f"{t:.2f} ({t / t_base:.2f}x; {name.split('(')[-1].rstrip(')')})")
+    lines += [f"| {k} | " + " | ".join(v) + " |" for k, v in table.items()]
+    out = Path(__file__).resolve().parent / "results" / "compile_depth.md"
+    out.write_text("\n".join(lines) + "\n")
+    print(out.read_text())
+
+
 def _period(schedule) -> str:
     """The repeated pattern of a schedule over one Repeat layer, e.g. ``Fck Fall`` per period."""
     from jaxremat.tree import parse, span, units
@@ -88,7 +118,13 @@ def _period(schedule) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=48)
+    parser.add_argument(
+        "--depths", type=int, nargs="+", default=None,
+        help="instead: the baseline and the Repeat rows at each depth (writes compile_depth.md)",
+    )
     args = parser.parse_args()
+    if args.depths:
+        return depth_table(args.depths)
     x = jnp.ones((BATCH, TOKENS, WIDTH))
     base = Scanned(args.blocks)
     bv = base.init(jax.random.key(0), x)
