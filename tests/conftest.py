@@ -59,3 +59,19 @@ import pytest  # noqa: E402
 def _private_cache(tmp_path, monkeypatch):
     """Every test gets its own profile cache folder."""
     monkeypatch.setenv("JAXREMAT_CACHE_DIR", str(tmp_path / "jaxremat-cache"))
+
+
+def plain_forward(chain):
+    """``f(variables, x, rngs) -> (out, updates)``: ``chain`` stage by stage with plain autodiff,
+    each stage's keys folded from the step's as the executor folds them (the reference)."""
+    from jaxremat.chain import stage_rngs
+
+    def f(variables, x, rngs):
+        per, a, updates = chain.split(variables), x, {}
+        for i, stage in enumerate(chain.stages):
+            a, new = stage.apply(per[i], a, stage_rngs(rngs, i))
+            if new:
+                updates[i] = new
+        return a, updates
+
+    return f

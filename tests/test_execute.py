@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxremat as jr
+from conftest import plain_forward
 from jaxremat.chain import Chain
 from jaxremat.executor import execute
 from jaxremat.tree import Leaf, Region, Store, parse
@@ -57,20 +58,6 @@ def _grads(f, variables, x, rngs):
     return jax.value_and_grad(loss, has_aux=True)(params)
 
 
-def _plain(chain):
-    def f(variables, x, rngs):
-        from jaxremat.chain import stage_rngs
-
-        per, a, updates = chain.split(variables), x, {}
-        for i, st in enumerate(chain.stages):
-            a, new = st.apply(per[i], a, stage_rngs(rngs, i))
-            if new:
-                updates[i] = new
-        return a, updates
-
-    return f
-
-
 @pytest.mark.parametrize("share,scan", [(0.0, False), (0.5, False), (1.0, False), (0.0, True), (0.5, True)])
 def test_gradients_dropout_and_batch_stats_match_plain_autodiff(share, scan):
     chain = Chain.from_linen([Noisy() for _ in range(6)], mutable=("batch_stats",), rng_streams=("dropout",))
@@ -78,7 +65,7 @@ def test_gradients_dropout_and_batch_stats_match_plain_autodiff(share, scan):
     v = chain.init(jax.random.key(0), x)
     rngs = {"dropout": jax.random.key(7)}
     costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
-    (ref_loss, (ref_out, ref_upd)), ref_g = jax.jit(lambda v, x: _grads(_plain(chain), v, x, rngs))(v, x)
+    (ref_loss, (ref_out, ref_upd)), ref_g = jax.jit(lambda v, x: _grads(plain_forward(chain), v, x, rngs))(v, x)
     lo, hi = jr.min_budget(costs), jr.store_all_peak(costs)
     budget = int(lo + share * (hi - lo))
     ran = []
@@ -119,7 +106,7 @@ def test_integer_inputs_and_pytree_activations():
     v = Chain.function_variables(pairs)
     ids = jnp.array([[1, 2, 0], [3, 4, 5]])
     costs = profile(chain, v, ids, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
-    ref = jax.grad(lambda v: jnp.sum(_plain(chain)(v, ids, None)[0] ** 2))(v)
+    ref = jax.grad(lambda v: jnp.sum(plain_forward(chain)(v, ids, None)[0] ** 2))(v)
     for algorithm in ("optimal", "every_stage", "recompute_all"):
         f = execute(chain, jr.solve(costs, None if algorithm == "optimal" else "100%", algorithm=algorithm))
         g = jr.jit(jax.grad(lambda v: jnp.sum(f(v, ids)[0] ** 2)))(v)

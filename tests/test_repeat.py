@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxremat as jr
+from conftest import plain_forward
 from jaxremat.calibrate import compile_schedule_step
-from jaxremat.chain import Chain, stage_rngs
+from jaxremat.chain import Chain
 from jaxremat.executor import as_planned, execute
 from jaxremat.models import gpt
 from jaxremat.profiler import Rates, profile
@@ -65,18 +66,6 @@ def test_repeat_is_a_scanned_stack_and_a_chain_of_its_copies():
         jr.Repeat(Block(8), 0)
 
 
-def _reference(chain, v, x, rngs):
-    def plain(v, x, rngs):
-        per, a, up = chain.split(v), x, {}
-        for i, stage in enumerate(chain.stages):
-            a, new = stage.apply(per[i], a, stage_rngs(rngs, i))
-            if new:
-                up[i] = new
-        return a, up
-
-    return plain
-
-
 def _grads(f, v, x, rngs):
     def loss(p):
         out, up = f({**v, "params": p}, x, rngs)
@@ -92,7 +81,7 @@ PATTERNS = [(S,), (R, S), (("region", 2), S), (S, ("nested", 3)), (R, R, S, R), 
 def test_periodic_schedules_match_plain_autodiff_with_dropout_and_batch_stats():
     _, chain, v, x = _noisy_model(12)
     rngs = {"dropout": jax.random.key(7)}
-    (rl, (ro, ru)), rg = jax.jit(lambda v: _grads(_reference(chain, v, x, rngs), v, x, rngs))(v)
+    (rl, (ro, ru)), rg = jax.jit(lambda v: _grads(plain_forward(chain), v, x, rngs))(v)
     costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
     for pattern in PATTERNS:
         ops = to_ops(periodic_tree(len(chain), [(1, 12)], {1: pattern}), len(chain))
@@ -126,7 +115,7 @@ def test_a_schedule_that_does_not_repeat_a_pattern_warns_and_stays_exact():
     f = execute(chain, Schedule.from_ops(costs, baselines.revolve(len(chain), 2), budget=None, algorithm="revolve"))
     with pytest.warns(UserWarning, match="does not repeat one pattern over Repeat layer 1"):
         (loss, _), g = jr.jit(lambda v: _grads(f, v, x, rngs))(v)
-    (rl, _), rg = jax.jit(lambda v: _grads(_reference(chain, v, x, rngs), v, x, rngs))(v)
+    (rl, _), rg = jax.jit(lambda v: _grads(plain_forward(chain), v, x, rngs))(v)
     np.testing.assert_allclose(loss, rl, rtol=1e-5, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, rg)
 
