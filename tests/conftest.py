@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import flax.linen as nn
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -75,3 +76,13 @@ def plain_forward(chain):
         return a, updates
 
     return f
+
+
+class Noisy(nn.Module):
+    """A stage with every kind of state: parameters, batch statistics and dropout."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=False)(x)
+        return nn.Dropout(0.3, deterministic=False)(nn.tanh(x))

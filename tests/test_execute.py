@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxremat as jr
-from conftest import plain_forward
+from conftest import Noisy, plain_forward
 from jaxremat.chain import Chain
 from jaxremat.executor import execute
 from jaxremat.tree import Leaf, Region, Store, parse
@@ -25,14 +25,6 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         return nn.gelu(nn.Dense(self.width)(x))
-
-
-class Noisy(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(16)(x)
-        x = nn.BatchNorm(use_running_average=False)(x)
-        return nn.Dropout(0.3, deterministic=False)(nn.tanh(x))
 
 
 def test_parse_reads_every_solver_schedule_as_a_tree():

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxremat as jr
-from conftest import plain_forward
+from conftest import Noisy, plain_forward
 from jaxremat.calibrate import compile_schedule_step
 from jaxremat.chain import Chain
 from jaxremat.executor import as_planned, execute
@@ -24,14 +24,6 @@ from jaxremat.solvers import baselines
 from jaxremat.solvers.periodic import patterns, periodic_tree, solve_periodic
 from jaxremat.solvers.regular import _kind, regularise
 from jaxremat.tree import parse, span, to_ops, units
-
-
-class Noisy(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(16)(x)
-        x = nn.BatchNorm(use_running_average=False)(x)
-        return nn.Dropout(0.3, deterministic=False)(nn.tanh(x))
 
 
 class Block(nn.Module):
