@@ -22,6 +22,7 @@ from jax import lax
 from jaxremat.chain import Chain, stage_rngs
 from jaxremat.repeat import BODY
 from jaxremat.schedule import Schedule
+from jaxremat.selective import selective_scan
 from jaxremat.tree import Node, Unit, parse, shape as _shape, span as _span, units as _units
 from jaxremat.xla_memory import REMAT_OPTIONS
 
@@ -73,10 +74,18 @@ class _Runner:
         # Repeat layers whose top-level units repeat one pattern: first stage -> (units per
         # period m, stages per period p, periods n); they run as one scan over a reshape
         self.periodic: dict[int, tuple[int, int, int]] = {}
+        # Repeat layers whose copies are each stored or checkpointed alone, not all alike: first
+        # stage -> per copy, stored or not; they run as one selective loop (also in periodic, as p=1)
+        self.selective: dict[int, tuple[bool, ...]] = {}
         # other runs of alike units over a Repeat's stacked variables: first stage -> (n, k)
         self.stacked_runs: dict[int, tuple[int, int]] = {}
         if scan is not False:
             for g in chain.stacked:
+                flags = selective_flags(units, g.start, g.start + g.length)
+                if flags is not None:
+                    self.selective[g.start] = flags
+                    self.periodic[g.start] = (1, 1, g.length)
+                    continue
                 found = self.find_period(units, g.start, g.start + g.length)
                 if found is not None:
                     self.periodic[g.start] = found
@@ -228,6 +237,9 @@ class _Runner:
             first = _span(segment[0])[0]
             if len(segment) == 1 and first in self.periodic:
                 m, p, n = self.periodic[first]
+                if first in self.selective:
+                    a = self.scan_selective(first, a, updates, self.pieces[first])
+                    continue
                 i = units.index(segment[0])
                 a = self.scan_periodic(units[i : i + m], p, n, a, updates, self.pieces[first])
             else:
@@ -278,6 +290,21 @@ class _Runner:
                 updates[i + u * p] = jax.tree.map(lambda t: t[u], tree)
         return a
 
+    def scan_selective(self, b0: int, a: Any, updates: dict, stacked: Any) -> Any:
+        """A Repeat whose copies are stored or checkpointed one by one, as :func:`selective_scan`."""
+        flags = self.selective[b0]
+        stage = self.chain.stages[b0]
+        _check_compile_options()
+
+        def step(p: Any, keys: Any, a: Any, u: jax.Array) -> tuple[Any, Any]:
+            return stage.apply(p, a, stage_rngs(keys, b0 + u))
+
+        a, ys = selective_scan(step, flags, stacked, a, self.rngs)
+        if jax.tree.leaves(ys):
+            for u in range(len(flags)):
+                updates[b0 + u] = jax.tree.map(lambda t: t[u], ys)
+        return a
+
     def keeps_shape(self, unit: Unit, a: Any) -> bool:
         out = jax.eval_shape(lambda a: self.unit(unit, a, {}, ({}, 0, {})), a)
         same = lambda x, y: np.shape(x) == np.shape(y) and x.dtype == y.dtype  # noqa: E731
@@ -316,6 +343,16 @@ class _Runner:
             for u in range(n):
                 updates[i + u * k] = jax.tree.map(lambda t: t[u], tree)
         return a
+
+
+def selective_flags(units: list[Unit], start: int, stop: int) -> tuple[bool, ...] | None:
+    """Per stage of ``start .. stop-1``, stored or not, when the units covering them are each one
+    stage, stored or checkpointed alone, and not all alike; otherwise ``None``."""
+    inside = [u for u in units if start <= _span(u)[0] < stop]
+    if len(inside) != stop - start or any(_span(u) != (start + q, start + q + 1) for q, u in enumerate(inside)):
+        return None
+    flags = tuple(u[0] == "store" for u in inside)
+    return flags if 0 < sum(flags) < len(flags) else None
 
 
 _CUTS = frozenset({lax.slice_p, lax.squeeze_p, lax.reshape_p, lax.split_p, lax.dynamic_slice_p})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -12,10 +13,11 @@ import jax
 import numpy as np
 
 from jaxremat.chain import Chain, tree_bytes
+from jaxremat.units import format_bytes
 from jaxremat.costs import ChainCosts
 from jaxremat.executor import execute
 from jaxremat.profiler import profile
-from jaxremat.schedule import Schedule
+from jaxremat.schedule import InfeasibleBudget, Schedule
 from jaxremat.solvers import budget_bytes, solve
 from jaxremat.solvers.periodic import MAX_PERIOD, periodic_schedules, solve_periodic
 from jaxremat.solvers.regular import regularise, stage_classes
@@ -114,7 +116,7 @@ def plan(
     slots: int = 500,
     costs: ChainCosts | None = None,
     calibrate: bool = False,
-    max_period: int = MAX_PERIOD,
+    max_period: int | None = None,
     **profile_options: Any,
 ) -> Plan:
     """Profile ``chain`` (unless ``costs`` are given) and solve for ``budget``.
@@ -125,9 +127,11 @@ def plan(
     predicts.
 
     A chain with :class:`~jaxremat.Repeat` layers gets, for ``algorithm="optimal"``, the
-    fastest schedule that repeats one pattern of at most ``max_period`` stages over each of them
-    (:func:`~jaxremat.solvers.periodic.solve_periodic`), so that each runs as one ``lax.scan``
-    over its stacked parameters, without copies and with compile time flat in depth.
+    fastest schedule that runs each of them as one loop over its stacked parameters (no copies,
+    compile time flat in depth; :func:`~jaxremat.solvers.periodic.solve_periodic`): each copy
+    stored or checkpointed alone, in any mix (one block body to compile), or, with
+    ``max_period=p`` or when nothing else fits, a pattern of up to ``p`` stages repeated (which
+    compiles each stage of the pattern).
     """
     if costs is None:
         costs = profile(chain, variables, sample, method=method, **profile_options)
@@ -148,7 +152,7 @@ def plan(
 
 
 def _calibrated_periodic(
-    chain: Chain, variables: Any, sample: Any, costs: ChainCosts, budget: Any, max_period: int
+    chain: Chain, variables: Any, sample: Any, costs: ChainCosts, budget: Any, max_period: int | None
 ) -> Schedule | None:
     """The fastest periodic schedule whose step, compiled by XLA, fits the budget (fastest
     candidates first, skipping those whose plain prediction is above the budget by more than
@@ -166,16 +170,49 @@ def _calibrated_periodic(
     return None if found is None else found.schedule
 
 
-def _periodic(chain: Chain, variables: Any, costs: ChainCosts, budget: Any, slots: int, max_period: int) -> Schedule:
-    """For a chain with Repeat layers: the fastest schedule that repeats one pattern over each
-    (so each runs as one scan over its stacked variables), with the loop's transients counted;
-    when none fits, the optimal schedule with alike units grouped (the executor then warns)."""
+def _periodic(chain: Chain, variables: Any, costs: ChainCosts, budget: Any, slots: int, max_period: int | None) -> Schedule:
+    """For a chain with Repeat layers: the fastest schedule that runs each as one loop over its
+    stacked variables, with the loop's transients counted. When none fits, the optimal schedule
+    with alike units grouped and the copies of the sliced parameters counted (the executor then
+    warns); ``InfeasibleBudget`` when that does not fit either."""
     groups = [(g.start, g.length) for g in chain.stacked]
     param_bytes = [tree_bytes(v) for v in chain.stage_shapes(variables)]
     target = budget_bytes(costs, budget)
     found = solve_periodic(costs, target, groups, max_period=max_period, param_bytes=param_bytes)
     if found is not None:
         return found
-    best = solve(costs, budget, slots=slots)  # InfeasibleBudget below the least budget of all
+    copied = copy_costs(costs, groups, param_bytes)
+    least_loop = _least_loop_peak(costs, groups, param_bytes)
+    try:
+        best = solve(copied, target, slots=slots)
+    except InfeasibleBudget as e:
+        raise InfeasibleBudget(
+            "optimal", target, min(least_loop, e.min_budget),
+            note=f"a Repeat layer runs as one loop from {format_bytes(least_loop)}; below that its stacked "
+            "parameters would be sliced, which copies them",
+        ) from None
     classes = [(st.key, tuple(np.shape(t) for t in jax.tree.leaves(v))) for st, v in zip(chain.stages, chain.stage_shapes(variables))]
     return regularise(best, [(c, k) for c, k in zip(classes, stage_classes(best))])
+
+
+def _least_loop_peak(costs: ChainCosts, groups: list[tuple[int, int]], param_bytes: list[int]) -> int:
+    """The lowest peak of a schedule that runs every Repeat layer as one loop."""
+    for period in (MAX_PERIOD, 2, 1):
+        try:
+            found = periodic_schedules(costs, groups, max_period=period, param_bytes=param_bytes, selective_steps=1)
+        except ValueError:  # too many combinations of patterns over several layers
+            continue
+        return min(s.peak for s in found)
+    raise AssertionError("unreachable: one pattern per layer is always few")
+
+
+def copy_costs(costs: ChainCosts, groups: list[tuple[int, int]], param_bytes: list[int]) -> ChainCosts:
+    """``costs`` with what slicing each Repeat's stacked variables costs: XLA copies the slices
+    and the gradient's pieces, up to twice the layer's variable bytes (measured), live from the
+    layer's forward pass to the end of its backward pass."""
+    fwd_tmp, bwd_tmp = costs.fwd_tmp.copy(), costs.bwd_tmp.copy()
+    for s, n in groups:
+        w = 2 * sum(int(b) for b in param_bytes[s : s + n])
+        fwd_tmp[s:] += w
+        bwd_tmp[s:] += w
+    return dataclasses.replace(costs, fwd_tmp=np.asarray(fwd_tmp), bwd_tmp=np.asarray(bwd_tmp))

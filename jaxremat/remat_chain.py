@@ -11,7 +11,6 @@ from jaxremat.costs import ChainCosts
 from jaxremat.executor import execute
 from jaxremat.plans import Plan, plan, signature
 from jaxremat.profiler import profile
-from jaxremat.solvers.periodic import MAX_PERIOD
 
 
 class RematChain:
@@ -35,7 +34,7 @@ class RematChain:
         mutable: tuple[str, ...] = (),
         rng_streams: tuple[str, ...] = (),
         plan: Plan | None = None,
-        max_period: int = MAX_PERIOD,
+        max_period: int | None = None,
     ):
         self.model = model
         self.chain = Chain.from_linen(model, mutable=mutable, rng_streams=rng_streams)
@@ -95,7 +94,8 @@ def remat_chain(budget: Any, **options: Any):
     in which case calling the class returns the wrapped instance. Options: ``algorithm``,
     ``profile`` ("measure" or "xla"), ``slots``, ``calibrate`` (correct the plan with XLA's
     measured memory, see :func:`jaxremat.plan`), ``mutable``, ``rng_streams``, ``plan``,
-    ``max_period`` (the longest pattern repeated over a :class:`~jaxremat.Repeat` layer).
+    ``max_period`` (``None``: a :class:`~jaxremat.Repeat` layer runs as a loop compiling one
+    block body; ``p``: patterns of up to ``p`` stages too, see :func:`jaxremat.plan`).
     """
 
     def wrap(model: Any) -> Any:

@@ -21,7 +21,7 @@ from jaxremat.models import gpt
 from jaxremat.profiler import Rates, profile
 from jaxremat.schedule import Schedule
 from jaxremat.solvers import baselines
-from jaxremat.solvers.periodic import patterns, periodic_tree, solve_periodic
+from jaxremat.solvers.periodic import patterns, periodic_tree, selective, solve_periodic
 from jaxremat.solvers.regular import _kind, regularise
 from jaxremat.tree import parse, span, to_ops, units
 
@@ -67,7 +67,8 @@ def _grads(f, v, x, rngs):
 
 
 S, R = ("store", 1), ("region", 1)
-PATTERNS = [(S,), (R, S), (("region", 2), S), (S, ("nested", 3)), (R, R, S, R), (("nested", 4),)]
+# the last three are selective loops (each copy stored or checkpointed alone, one loop body)
+PATTERNS = [(S,), (("region", 2), S), (S, ("nested", 3)), (("nested", 4),), (R, S), (R, R, S, R), (S, S, R, S, R, R, R, S, R, S, S, R)]
 
 
 def test_periodic_schedules_match_plain_autodiff_with_dropout_and_batch_stats():
@@ -88,6 +89,49 @@ def test_periodic_schedules_match_plain_autodiff_with_dropout_and_batch_stats():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, rg)
         assert sorted(upd) == sorted(ru)  # batch_stats updated once per copy
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), upd, ru)
+
+
+class Masked(nn.Module):
+    """A block whose activation is a pytree with integer leaves (token ids and a mask)."""
+
+    @nn.compact
+    def __call__(self, a):
+        h, ids, mask = a
+        h = h + jnp.tanh(nn.Dense(h.shape[-1])(h)) * mask[..., None] + 0.01 * ids[..., None]
+        return h, ids, mask
+
+
+def test_selective_loop_takes_pytree_activations_with_integer_leaves():
+    model = nn.Sequential([jr.Repeat(Masked(), 6)])
+    chain = Chain.from_linen(model)
+    h = jax.random.normal(jax.random.key(1), (4, 8))
+    a = (h, jnp.arange(4, dtype=jnp.int32), jnp.array([1, 0, 1, 1], jnp.int32))
+    v = model.init(jax.random.key(0), a)
+    costs = jr.ChainCosts.uniform(len(chain), x=4, xbar=12)
+    ops = to_ops(periodic_tree(6, [(0, 6)], {0: selective(2, 6)}), 6)
+    f = execute(chain, Schedule.from_ops(costs, ops, budget=None, algorithm="optimal"))
+    loss = lambda fwd: lambda v, h: jnp.sum(fwd(v, (h, *a[1:]), None)[0][0] ** 2)  # noqa: E731
+    got = jr.jit(jax.grad(loss(f), argnums=(0, 1)))(v, h)
+    ref = jax.jit(jax.grad(loss(plain_forward(chain)), argnums=(0, 1)))(v, h)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), got, ref)
+
+
+def test_a_selective_loop_compiles_one_block_body_whatever_its_pattern():
+    """The step's jaxpr holds as many matrix products for any mix of stored and checkpointed
+    copies (one block forward, its recomputation, its backward), where a repeated pattern of
+    ``p`` copies holds ``p`` times as many."""
+    _, chain, v, x = _noisy_model(12)
+    costs = jr.ChainCosts.uniform(len(chain), x=4, xbar=12)
+
+    def dots(pattern):
+        ops = to_ops(periodic_tree(len(chain), [(1, 12)], {1: pattern}), len(chain))
+        f = execute(chain, Schedule.from_ops(costs, ops, budget=None, algorithm="optimal"))
+        step = as_planned(jax.grad(lambda v: jnp.mean(f(v, x, {"dropout": jax.random.key(0)})[0] ** 2)))
+        return str(jax.make_jaxpr(step)(v)).count("dot_general")
+
+    one = dots(selective(5, 12))
+    assert dots((S, R)) == dots((S, R, S)) == dots(PATTERNS[-1]) == one
+    assert dots((("region", 2), S)) > one
 
 
 def test_every_pattern_is_a_valid_schedule():
@@ -149,20 +193,30 @@ def _uniform_with_group(L: int, start: int, n: int, xbar: int) -> tuple[jr.Chain
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(2, 12), st.integers(0, 3), st.integers(0, 3), st.integers(5, 40), st.floats(0.2, 1.0))
-def test_periodic_solver_fits_repeats_and_beats_the_periodic_baselines(n, before, after, xbar, share):
+def test_periodic_solver_fits_runs_as_a_loop_and_beats_the_baselines(n, before, after, xbar, share):
     L = before + n + after
     costs, groups = _uniform_with_group(L, before, n, xbar)
     budget = int(share * jr.store_all_peak(costs))
     sched = solve_periodic(costs, budget, groups)
+    wide = solve_periodic(costs, budget, groups, max_period=4)
     base = [baselines.store_all(L), baselines.every_stage(L)]
     if sched is None:
-        assert all(jr.simulate(costs, ops)[0] > budget for ops in base)
+        assert wide is None and all(jr.simulate(costs, ops)[0] > budget for ops in base)
         return
     assert sched.peak <= budget and jr.simulate(costs, sched.ops) == (sched.peak, sched.time)
     spine = [u for u in units(parse(sched.ops, L))[0] if before <= span(u)[0] < before + n]
     shapes = [(u[0], span(u)[1] - span(u)[0]) for u in spine]
     period = next(m for m in range(1, len(shapes) + 1) if shapes == shapes[:m] * (len(shapes) // m))
-    assert sum(k for _, k in shapes[:period]) <= 4  # one pattern of at most MAX_PERIOD stages
+    one_body = all(k == 1 for _, k in shapes)  # a selective loop, or one kind of single-stage unit
+    assert one_body or sum(k for _, k in shapes[:period]) <= 4  # else one pattern of at most MAX_PERIOD stages
+    if one_body:  # the default keeps to one block body when one fits; wider patterns may be faster
+        assert wide.time <= sched.time + 1e-9
+        tried = [
+            jr.simulate(costs, to_ops(periodic_tree(L, groups, {before: selective(k, n)}, outside), L))
+            for k in range(1, n) for outside in ("store", "region")
+        ]
+        fits = [t for peak, t in tried if peak <= budget]
+        assert all(sched.time <= t + 1e-9 for t in fits)  # the binary search found the best selective loop
     for ops in base:  # stored before and after the group, one kind of unit over it: candidates too
         peak, time = jr.simulate(costs, ops)
         if peak <= budget:

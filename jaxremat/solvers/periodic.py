@@ -11,6 +11,12 @@ parameter bytes that no plan counts (measured: 1x-2x the parameters of a 48-bloc
 made of stored stages and regions (keeping their stages' residuals inside, or checkpointing each
 of them again), the other stages all stored or all checkpointed alone, each candidate replayed by
 the simulator, the fastest within the budget kept. Patterns are few (dozens for ``max_period=4``), so this takes milliseconds.
+
+A *selective* schedule is not periodic but runs as one loop too: each copy stored or checkpointed
+alone, in any order (:func:`jaxremat.selective.selective_scan`, one block body to compile,
+where a pattern of ``p`` stages compiles ``p``). The search takes, per group, the one with the
+most stored copies that fits (stored copies first: the loop keeps every stored copy's residuals
+until its backward loop ends, and this order is the one whose simulated peak says so).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from jaxremat.simulate import simulate
 from jaxremat.tree import Leaf, Node, Unit, build, to_ops
 
 MAX_PERIOD = 4
+STORE, REGION = ("store", 1), ("region", 1)
 
 Part = tuple[str, int]  # ("store", 1), ("region", k) with stored inside, ("nested", k) checkpointed inside
 
@@ -80,8 +87,21 @@ def periodic_tree(
     return build(spine, Leaf(L))
 
 
-def loop_costs(costs: ChainCosts, groups: Sequence[tuple[int, int]], periods: dict[int, int], param_bytes: Sequence[int]) -> ChainCosts:
-    """``costs`` with what a loop over a group adds to its stages' transients.
+def selective(k: int, n: int) -> tuple[Part, ...]:
+    """The selective schedule of ``n`` copies with the first ``k`` stored, the rest checkpointed alone."""
+    return (STORE,) * k + (REGION,) * (n - k)
+
+
+def is_selective(pattern: Sequence[Part]) -> bool:
+    """Whether a group following ``pattern`` runs as a selective loop: every unit one stage,
+    stored or checkpointed alone, and not all alike (the executor's test)."""
+    return all(part in (STORE, REGION) for part in pattern) and len(set(pattern)) == 2
+
+
+def loop_costs(
+    costs: ChainCosts, groups: Sequence[tuple[int, int]], pattern_of: dict[int, Sequence[Part]], param_bytes: Sequence[int]
+) -> ChainCosts:
+    """``costs`` with what a loop over a group adds to the transients.
 
     Each iteration of the scan over a group with period ``p`` materialises its slice of the
     stacked variables (``p`` stages' worth, ``w`` bytes each), and for ``p > 1`` cuts it into
@@ -90,14 +110,27 @@ def loop_costs(costs: ChainCosts, groups: Sequence[tuple[int, int]], periods: di
     forward and ``2 w`` more backward transient when ``p == 1``, ``2 p w`` and ``4 p w`` when
     ``p > 1`` (read off XLA's buffer assignment of a 12-block transformer; without these the
     prediction was up to 1.7x low for patterns of 4 stages).
+
+    A selective loop iterates one stage at a time (``w``, ``2 w``) and also holds a scratch slot
+    of residuals (``r = xbar - x_out`` of a copy) from its forward loop to the end of its
+    backward loop, so every later stage's transients get ``r`` too; its backward iterations
+    hold one copy's residuals packed in one row beside the unpacked ones (``r`` more).
     """
     fwd_tmp, bwd_tmp = costs.fwd_tmp.copy(), costs.bwd_tmp.copy()
     for s, n in groups:
-        p = periods[s]
-        f, b = (1, 2) if p == 1 else (2 * p, 4 * p)
+        pattern = pattern_of[s]
+        p = sum(k for _, k in pattern)
+        f, b = (1, 2) if p == 1 or is_selective(pattern) else (2 * p, 4 * p)
         for i in range(s, s + n):
             fwd_tmp[i] += f * int(param_bytes[i])
             bwd_tmp[i] += b * int(param_bytes[i])
+        if is_selective(pattern):
+            r = max(int(costs.xbar[s]) - int(costs.x[s + 1]), 0)
+            for i in range(s, costs.length):
+                fwd_tmp[i] += r
+                bwd_tmp[i] += r
+            for i in range(s, s + n):
+                bwd_tmp[i] += r
     return dataclasses.replace(costs, fwd_tmp=np.asarray(fwd_tmp), bwd_tmp=np.asarray(bwd_tmp))
 
 
@@ -109,44 +142,71 @@ def _check_groups(L: int, groups: Sequence[tuple[int, int]]) -> None:
         end = s + n
 
 
+def _candidate(costs: ChainCosts, groups: Sequence[tuple[int, int]], trial: dict, outside: str, param_bytes: Sequence[int] | None):
+    L = costs.length
+    ops = to_ops(periodic_tree(L, groups, trial, outside), L)
+    c = costs if param_bytes is None else loop_costs(costs, groups, trial, param_bytes)
+    peak, time = simulate(c, ops)
+    return peak, time, ops, c
+
+
 def solve_periodic(
     costs: ChainCosts,
     budget: int,
     groups: Sequence[tuple[int, int]],
     *,
-    max_period: int = MAX_PERIOD,
+    max_period: int | None = None,
     param_bytes: Sequence[int] | None = None,
 ) -> Schedule | None:
-    """The fastest schedule within ``budget`` bytes that repeats one pattern over each group
-    ``(start, length)``, or ``None`` when none fits.
+    """The fastest schedule within ``budget`` bytes that runs each group ``(start, length)`` as
+    one loop: a pattern of at most ``max_period`` stages repeated over it, or a selective loop
+    (each copy stored or checkpointed alone); ``None`` when none fits.
+
+    ``max_period=None`` (the default) keeps to what compiles as one block body (patterns of one
+    stage and selective loops), and tries patterns of up to :data:`MAX_PERIOD` stages only when
+    none of those fits; an int searches patterns up to it (and selective loops) for the fastest.
 
     With ``param_bytes`` (per stage, the bytes of its variables), each candidate is simulated on
     :func:`loop_costs`, and the schedule returned carries those costs (its peak includes them).
 
-    Each group's pattern is chosen in turn (the others held at their current choice, starting
-    from stored stages), twice over; ties go to the lower peak, then the shorter period.
+    Each group's choice is made in turn (the others held at their current choice, starting
+    from stored stages), twice over; ties go to the lower peak, then the shorter pattern.
     """
-    L = costs.length
-    _check_groups(L, groups)
+    if max_period is None:
+        found = solve_periodic(costs, budget, groups, max_period=1, param_bytes=param_bytes)
+        if found is not None:
+            return found
+        return solve_periodic(costs, budget, groups, max_period=MAX_PERIOD, param_bytes=param_bytes)
+    _check_groups(costs.length, groups)
     if not groups:
         return None
-    choice = {s: (("store", 1),) for s, _ in groups}
+    choice = {s: (STORE,) for s, _ in groups}
     options = {
         s: [pat for p in range(1, min(max_period, n) + 1) if n % p == 0 for pat in patterns(p)] for s, n in groups
     }
     best: tuple | None = None
+
+    def consider(trial: dict, outside: str) -> bool:
+        nonlocal best
+        peak, time, ops, c = _candidate(costs, groups, trial, outside, param_bytes)
+        key = (time, peak, len(trial[s]))
+        if peak > budget:
+            return False
+        if best is None or key < best[0]:
+            best = (key, ops, trial, c)
+        return True
+
     for _ in range(2 if len(groups) > 1 else 1):
-        for (s, _n), outside in itertools.product(groups, ("store", "region")):
+        for (s, n), outside in itertools.product(groups, ("store", "region")):
             for pat in options[s]:
-                trial = {**choice, s: pat}
-                ops = to_ops(periodic_tree(L, groups, trial, outside), L)
-                c = costs
-                if param_bytes is not None:
-                    c = loop_costs(costs, groups, {g: sum(k for _, k in trial[g]) for g, _ in groups}, param_bytes)
-                peak, time = simulate(c, ops)
-                key = (time, peak, len(pat))
-                if peak <= budget and (best is None or key < best[0]):
-                    best = (key, ops, trial, c)
+                consider({**choice, s: pat}, outside)
+            lo, hi = 1, n - 1  # the most stored copies that fit (the peak grows with them)
+            while lo <= hi:
+                k = (lo + hi) // 2
+                if consider({**choice, s: selective(k, n)}, outside):
+                    lo = k + 1
+                else:
+                    hi = k - 1
             if best is not None:
                 choice = dict(best[2])
     if best is None:
@@ -158,16 +218,25 @@ def periodic_schedules(
     costs: ChainCosts,
     groups: Sequence[tuple[int, int]],
     *,
-    max_period: int = MAX_PERIOD,
+    max_period: int | None = None,
     param_bytes: Sequence[int] | None = None,
+    selective_steps: int = 16,
     limit: int = 5000,
 ) -> list[Schedule]:
-    """Every periodic schedule (each group's pattern, the stages outside stored or checkpointed),
-    fastest first, each on :func:`loop_costs` when ``param_bytes`` is given; ``ValueError`` if
-    there are more than ``limit``."""
+    """The schedules :func:`solve_periodic` chooses from (each group's pattern of up to
+    ``max_period`` stages, ``None`` for one, or a selective loop with up to ``selective_steps``
+    numbers of stored copies, evenly spread; the stages outside stored or checkpointed), fastest
+    first, each on :func:`loop_costs` when ``param_bytes`` is given; ``ValueError`` if there are
+    more than ``limit``."""
     L = costs.length
     _check_groups(L, groups)
-    options = [[pat for p in range(1, min(max_period, n) + 1) if n % p == 0 for pat in patterns(p)] for _, n in groups]
+    mp = 1 if max_period is None else max_period
+    options = []
+    for _, n in groups:
+        stored = sorted({int(round(q)) for q in np.linspace(1, n - 1, min(selective_steps, n - 1))}) if n > 1 else []
+        options.append(
+            [pat for p in range(1, min(mp, n) + 1) if n % p == 0 for pat in patterns(p)] + [selective(k, n) for k in stored]
+        )
     count = 2 * int(np.prod([len(o) for o in options]))
     if count > limit:
         raise ValueError(f"{count} periodic schedules for these groups, more than the limit of {limit}; lower max_period")
@@ -175,12 +244,11 @@ def periodic_schedules(
     for outside in ("store", "region"):
         for combo in itertools.product(*options):
             trial = {s: pat for (s, _), pat in zip(groups, combo)}
-            c = costs
-            if param_bytes is not None:
-                c = loop_costs(costs, groups, {g: sum(k for _, k in trial[g]) for g, _ in groups}, param_bytes)
-            ops = to_ops(periodic_tree(L, groups, trial, outside), L)
+            _, _, ops, c = _candidate(costs, groups, trial, outside, param_bytes)
             out.append(Schedule.from_ops(c, ops, budget=None, algorithm="optimal", note="periodic"))
     return sorted(out, key=lambda s: (s.time, s.peak))
 
 
-__all__ = ["MAX_PERIOD", "loop_costs", "patterns", "periodic_schedules", "periodic_tree", "solve_periodic"]
+__all__ = [
+    "MAX_PERIOD", "is_selective", "loop_costs", "patterns", "periodic_schedules", "periodic_tree", "selective", "solve_periodic",
+]
