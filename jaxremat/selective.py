@@ -83,6 +83,19 @@ class _Linearised:
         return jax.tree.unflatten(self.pull_tree, [ins[j] if kind == "in" else next(got) for kind, j in self.kinds])
 
 
+def _replayed(step: Step, p: Any, keys: Any, a: Any) -> Step:
+    """``step`` traced once to a jaxpr and replayed: it is run in the primal loop, linearised
+    for the forward loop and recomputed in the backward loop, and tracing a Flax block is the
+    slow part of each (replaying its jaxpr is cheap)."""
+    closed, shapes = jax.make_jaxpr(step, return_shape=True)(p, keys, a, jnp.int32(0))
+    tree = jax.tree.structure(shapes)
+
+    def replay(p: Any, keys: Any, a: Any, u: jax.Array) -> tuple[Any, Any]:
+        return tree.unflatten(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((p, keys, a, u))))
+
+    return replay
+
+
 def selective_scan(step: Step, flags: Sequence[bool], stacked: Any, a: Any, keys: Any) -> tuple[Any, Any]:
     """Run ``step(p, keys, a, u) -> (a, updates)`` over the ``n = len(flags)`` slices ``p`` of
     ``stacked`` (leading axis ``n``; ``u`` the slice's index); returns the last output and the
@@ -93,6 +106,7 @@ def selective_scan(step: Step, flags: Sequence[bool], stacked: Any, a: Any, keys
     n, k = len(flags), sum(flags)
     slots = np.where(flags, np.cumsum(flags) - 1, k).astype(np.int32)
     traced: list[_Linearised] = []
+    step = _replayed(step, jax.tree.map(lambda t: t[0], stacked), keys, a)
 
     def plain(stacked: Any, keys: Any, a: Any) -> tuple[Any, Any]:
         return lax.scan(lambda a, xs: step(xs[0], keys, a, xs[1]), a, (stacked, jnp.arange(n)))
