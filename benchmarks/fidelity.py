@@ -46,7 +46,7 @@ def chains(scale: int = 1):
     gpt = Chain.from_linen(zoo.gpt(blocks=12))
     yield "GPT-style decoder, 12 blocks, 128 tokens", gpt, zoo.sample_input((max(1, b // 4), 128), "int32")
     stacked = Chain.from_linen(zoo.gpt(blocks=12, stacked=True))
-    yield "GPT-style decoder, 12 blocks as one Repeat (periodic plan)", stacked, zoo.sample_input((max(1, b // 4), 128), "int32")
+    yield "GPT-style decoder, 12 blocks as one Repeat (loop plan)", stacked, zoo.sample_input((max(1, b // 4), 128), "int32")
 
 
 def rows(scale: int = 1, shares=("30%", "50%", "75%")):
@@ -58,7 +58,7 @@ def rows(scale: int = 1, shares=("30%", "50%", "75%")):
         if any(jr.solvers.budget_bytes(costs, b) < least for b in shares):
             budgets.append(least)  # also the least budget that fits
         for share in budgets:
-            try:  # jr.plan: a Repeat layer gets the periodic schedule it runs as one loop
+            try:  # jr.plan: a Repeat layer gets a schedule it runs as one loop
                 sched = jr.plan(chain, v, x, share, costs=costs).schedule if chain.stacked else jr.solve(costs, share)
             except jr.InfeasibleBudget as e:
                 yield label, share, None, e.min_budget / jr.store_all_peak(costs)
