@@ -6,7 +6,7 @@ Sequences follow a fixed random permutation of the vocabulary (token t is follow
 so next-token prediction is learnable. The same model trains with and without the plan from the
 same seeds: the losses agree, the step uses less memory, and the time overhead is printed next
 to the plan's prediction. With ``--stacked`` the blocks are one ``jaxremat.Repeat`` (parameters
-stacked, as with ``nn.scan``), run as one loop under a periodic plan.
+stacked, as with ``nn.scan``), run as one loop.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from jax import lax
 from jaxremat.chain import Chain, stage_rngs
 from jaxremat.repeat import BODY
 from jaxremat.schedule import Schedule
-from jaxremat.selective import selective_scan
+from jaxremat.selective import runs_selective, selective_scan
 from jaxremat.tree import Node, Unit, parse, shape as _shape, span as _span, units as _units
 from jaxremat.xla_memory import REMAT_OPTIONS
 
@@ -347,12 +347,13 @@ class _Runner:
 
 def selective_flags(units: list[Unit], start: int, stop: int) -> tuple[bool, ...] | None:
     """Per stage of ``start .. stop-1``, stored or not, when the units covering them are each one
-    stage, stored or checkpointed alone, and not all alike; otherwise ``None``."""
+    stage, stored or checkpointed alone, in a mix that runs as a selective loop
+    (:func:`~jaxremat.selective.runs_selective`); otherwise ``None``."""
     inside = [u for u in units if start <= _span(u)[0] < stop]
     if len(inside) != stop - start or any(_span(u) != (start + q, start + q + 1) for q, u in enumerate(inside)):
         return None
     flags = tuple(u[0] == "store" for u in inside)
-    return flags if 0 < sum(flags) < len(flags) else None
+    return flags if runs_selective(flags) else None
 
 
 _CUTS = frozenset({lax.slice_p, lax.squeeze_p, lax.reshape_p, lax.split_p, lax.dynamic_slice_p})

@@ -116,7 +116,7 @@ def plan(
     slots: int = 500,
     costs: ChainCosts | None = None,
     calibrate: bool = False,
-    max_period: int | None = None,
+    max_period: int = MAX_PERIOD,
     **profile_options: Any,
 ) -> Plan:
     """Profile ``chain`` (unless ``costs`` are given) and solve for ``budget``.
@@ -129,9 +129,9 @@ def plan(
     A chain with :class:`~jaxremat.Repeat` layers gets, for ``algorithm="optimal"``, the
     fastest schedule that runs each of them as one loop over its stacked parameters (no copies,
     compile time flat in depth; :func:`~jaxremat.solvers.periodic.solve_periodic`): each copy
-    stored or checkpointed alone, in any mix (one block body to compile), or, with
-    ``max_period=p`` or when nothing else fits, a pattern of up to ``p`` stages repeated (which
-    compiles each stage of the pattern).
+    stored or checkpointed alone, in any mix (a selective loop: one block body to compile), or a
+    pattern of up to ``max_period`` stages repeated (which compiles each stage of the pattern);
+    of those within 0.5% of the fastest, the one that compiles least.
     """
     if costs is None:
         costs = profile(chain, variables, sample, method=method, **profile_options)
@@ -152,7 +152,7 @@ def plan(
 
 
 def _calibrated_periodic(
-    chain: Chain, variables: Any, sample: Any, costs: ChainCosts, budget: Any, max_period: int | None
+    chain: Chain, variables: Any, sample: Any, costs: ChainCosts, budget: Any, max_period: int
 ) -> Schedule | None:
     """The fastest periodic schedule whose step, compiled by XLA, fits the budget (fastest
     candidates first, skipping those whose plain prediction is above the budget by more than
@@ -170,7 +170,7 @@ def _calibrated_periodic(
     return None if found is None else found.schedule
 
 
-def _periodic(chain: Chain, variables: Any, costs: ChainCosts, budget: Any, slots: int, max_period: int | None) -> Schedule:
+def _periodic(chain: Chain, variables: Any, costs: ChainCosts, budget: Any, slots: int, max_period: int) -> Schedule:
     """For a chain with Repeat layers: the fastest schedule that runs each as one loop over its
     stacked variables, with the loop's transients counted. When none fits, the optimal schedule
     with alike units grouped and the copies of the sliced parameters counted (the executor then

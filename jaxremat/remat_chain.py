@@ -11,6 +11,7 @@ from jaxremat.costs import ChainCosts
 from jaxremat.executor import execute
 from jaxremat.plans import Plan, plan, signature
 from jaxremat.profiler import profile
+from jaxremat.solvers.periodic import MAX_PERIOD
 
 
 class RematChain:
@@ -34,7 +35,7 @@ class RematChain:
         mutable: tuple[str, ...] = (),
         rng_streams: tuple[str, ...] = (),
         plan: Plan | None = None,
-        max_period: int | None = None,
+        max_period: int = MAX_PERIOD,
     ):
         self.model = model
         self.chain = Chain.from_linen(model, mutable=mutable, rng_streams=rng_streams)
@@ -94,8 +95,8 @@ def remat_chain(budget: Any, **options: Any):
     in which case calling the class returns the wrapped instance. Options: ``algorithm``,
     ``profile`` ("measure" or "xla"), ``slots``, ``calibrate`` (correct the plan with XLA's
     measured memory, see :func:`jaxremat.plan`), ``mutable``, ``rng_streams``, ``plan``,
-    ``max_period`` (``None``: a :class:`~jaxremat.Repeat` layer runs as a loop compiling one
-    block body; ``p``: patterns of up to ``p`` stages too, see :func:`jaxremat.plan`).
+    ``max_period`` (the longest pattern repeated over a :class:`~jaxremat.Repeat` layer; 1 keeps
+    to loops that compile one block body, see :func:`jaxremat.plan`).
     """
 
     def wrap(model: Any) -> Any:

@@ -14,7 +14,8 @@ the simulator, the fastest within the budget kept. Patterns are few (dozens for 
 
 A *selective* schedule is not periodic but runs as one loop too: each copy stored or checkpointed
 alone, in any order (:func:`jaxremat.selective.selective_scan`, one block body to compile,
-where a pattern of ``p`` stages compiles ``p``). The search takes, per group, the one with the
+where a pattern of ``p`` stages compiles ``p``; it holds about two copies' residuals more than
+a pattern loop, a scratch row and a packed row). The search takes, per group, the one with the
 most stored copies that fits (stored copies first: the loop keeps every stored copy's residuals
 until its backward loop ends, and this order is the one whose simulated peak says so).
 """
@@ -29,10 +30,11 @@ import numpy as np
 
 from jaxremat.costs import ChainCosts
 from jaxremat.schedule import Schedule
+from jaxremat.selective import PATTERN_LOOP_UP_TO, runs_selective
 from jaxremat.simulate import simulate
 from jaxremat.tree import Leaf, Node, Unit, build, to_ops
 
-MAX_PERIOD = 4
+MAX_PERIOD = PATTERN_LOOP_UP_TO
 STORE, REGION = ("store", 1), ("region", 1)
 
 Part = tuple[str, int]  # ("store", 1), ("region", k) with stored inside, ("nested", k) checkpointed inside
@@ -92,10 +94,22 @@ def selective(k: int, n: int) -> tuple[Part, ...]:
     return (STORE,) * k + (REGION,) * (n - k)
 
 
-def is_selective(pattern: Sequence[Part]) -> bool:
-    """Whether a group following ``pattern`` runs as a selective loop: every unit one stage,
-    stored or checkpointed alone, and not all alike (the executor's test)."""
-    return all(part in (STORE, REGION) for part in pattern) and len(set(pattern)) == 2
+def is_selective(pattern: Sequence[Part], n: int) -> bool:
+    """Whether a group of ``n`` stages repeating ``pattern`` runs as a selective loop (the
+    executor's test, :func:`~jaxremat.selective.runs_selective`)."""
+    if not all(part in (STORE, REGION) for part in pattern) or n % len(pattern):
+        return False
+    return runs_selective([part == STORE for part in pattern] * (n // len(pattern)))
+
+
+def compile_rank(pattern: Sequence[Part], n: int) -> float:
+    """How much loop body a group's schedule compiles, in blocks: 1 for a pattern of one stage, 2
+    for a selective loop (one block, its recomputation and the residual buffers), ``p + 0.5``
+    for a loop over a pattern of ``p`` stages."""
+    if is_selective(pattern, n):
+        return 2.0
+    p = sum(k for _, k in pattern)
+    return 1.0 if p == 1 else p + 0.5
 
 
 def loop_costs(
@@ -120,11 +134,11 @@ def loop_costs(
     for s, n in groups:
         pattern = pattern_of[s]
         p = sum(k for _, k in pattern)
-        f, b = (1, 2) if p == 1 or is_selective(pattern) else (2 * p, 4 * p)
+        f, b = (1, 2) if p == 1 or is_selective(pattern, n) else (2 * p, 4 * p)
         for i in range(s, s + n):
             fwd_tmp[i] += f * int(param_bytes[i])
             bwd_tmp[i] += b * int(param_bytes[i])
-        if is_selective(pattern):
+        if is_selective(pattern, n):
             r = max(int(costs.xbar[s]) - int(costs.x[s + 1]), 0)
             for i in range(s, costs.length):
                 fwd_tmp[i] += r
@@ -150,50 +164,53 @@ def _candidate(costs: ChainCosts, groups: Sequence[tuple[int, int]], trial: dict
     return peak, time, ops, c
 
 
+COMPILE_TOLERANCE = 0.005
+
+
 def solve_periodic(
     costs: ChainCosts,
     budget: int,
     groups: Sequence[tuple[int, int]],
     *,
-    max_period: int | None = None,
+    max_period: int = MAX_PERIOD,
     param_bytes: Sequence[int] | None = None,
+    compile_tolerance: float = COMPILE_TOLERANCE,
 ) -> Schedule | None:
     """The fastest schedule within ``budget`` bytes that runs each group ``(start, length)`` as
     one loop: a pattern of at most ``max_period`` stages repeated over it, or a selective loop
-    (each copy stored or checkpointed alone); ``None`` when none fits.
+    (each copy stored or checkpointed alone, in any mix); ``None`` when none fits.
 
-    ``max_period=None`` (the default) keeps to what compiles as one block body (patterns of one
-    stage and selective loops), and tries patterns of up to :data:`MAX_PERIOD` stages only when
-    none of those fits; an int searches patterns up to it (and selective loops) for the fastest.
+    Of the schedules within ``compile_tolerance`` (a share) of the fastest step time, the one
+    with the least loop body to compile is kept (:func:`compile_rank`): a selective loop compiles
+    one block where a pattern of ``p`` stages compiles ``p``, and is as fast whenever the
+    pattern only mixes stored and checkpointed stages; ``max_period=1`` keeps to one-block bodies.
 
     With ``param_bytes`` (per stage, the bytes of its variables), each candidate is simulated on
     :func:`loop_costs`, and the schedule returned carries those costs (its peak includes them).
 
     Each group's choice is made in turn (the others held at their current choice, starting
-    from stored stages), twice over; ties go to the lower peak, then the shorter pattern.
+    from stored stages), twice over; ties go to the lower peak.
     """
-    if max_period is None:
-        found = solve_periodic(costs, budget, groups, max_period=1, param_bytes=param_bytes)
-        if found is not None:
-            return found
-        return solve_periodic(costs, budget, groups, max_period=MAX_PERIOD, param_bytes=param_bytes)
     _check_groups(costs.length, groups)
     if not groups:
         return None
+    sizes = dict(groups)
     choice = {s: (STORE,) for s, _ in groups}
     options = {
         s: [pat for p in range(1, min(max_period, n) + 1) if n % p == 0 for pat in patterns(p)] for s, n in groups
     }
+    fits: list[tuple[float, int, float, tuple, dict, ChainCosts]] = []
     best: tuple | None = None
 
     def consider(trial: dict, outside: str) -> bool:
         nonlocal best
         peak, time, ops, c = _candidate(costs, groups, trial, outside, param_bytes)
-        key = (time, peak, len(trial[s]))
         if peak > budget:
             return False
-        if best is None or key < best[0]:
-            best = (key, ops, trial, c)
+        rank = sum(compile_rank(trial[g], sizes[g]) for g in trial)
+        fits.append((time, peak, rank, ops, trial, c))
+        if best is None or (time, peak, rank) < best[:3]:
+            best = fits[-1]
         return True
 
     for _ in range(2 if len(groups) > 1 else 1):
@@ -208,34 +225,35 @@ def solve_periodic(
                 else:
                     hi = k - 1
             if best is not None:
-                choice = dict(best[2])
+                choice = dict(best[4])
     if best is None:
         return None
-    return Schedule.from_ops(best[3], best[1], budget=budget, algorithm="optimal", note="periodic")
+    near = [f for f in fits if f[0] <= best[0] * (1 + compile_tolerance) + 1e-12]
+    time, peak, rank, ops, trial, c = min(near, key=lambda f: (f[2], f[0], f[1]))
+    return Schedule.from_ops(c, ops, budget=budget, algorithm="optimal", note="periodic")
 
 
 def periodic_schedules(
     costs: ChainCosts,
     groups: Sequence[tuple[int, int]],
     *,
-    max_period: int | None = None,
+    max_period: int = MAX_PERIOD,
     param_bytes: Sequence[int] | None = None,
     selective_steps: int = 16,
     limit: int = 5000,
 ) -> list[Schedule]:
     """The schedules :func:`solve_periodic` chooses from (each group's pattern of up to
-    ``max_period`` stages, ``None`` for one, or a selective loop with up to ``selective_steps``
+    ``max_period`` stages, or a selective loop with up to ``selective_steps``
     numbers of stored copies, evenly spread; the stages outside stored or checkpointed), fastest
     first, each on :func:`loop_costs` when ``param_bytes`` is given; ``ValueError`` if there are
     more than ``limit``."""
     L = costs.length
     _check_groups(L, groups)
-    mp = 1 if max_period is None else max_period
     options = []
     for _, n in groups:
         stored = sorted({int(round(q)) for q in np.linspace(1, n - 1, min(selective_steps, n - 1))}) if n > 1 else []
         options.append(
-            [pat for p in range(1, min(mp, n) + 1) if n % p == 0 for pat in patterns(p)] + [selective(k, n) for k in stored]
+            [pat for p in range(1, min(max_period, n) + 1) if n % p == 0 for pat in patterns(p)] + [selective(k, n) for k in stored]
         )
     count = 2 * int(np.prod([len(o) for o in options]))
     if count > limit:
@@ -250,5 +268,5 @@ def periodic_schedules(
 
 
 __all__ = [
-    "MAX_PERIOD", "is_selective", "loop_costs", "patterns", "periodic_schedules", "periodic_tree", "selective", "solve_periodic",
+    "COMPILE_TOLERANCE", "MAX_PERIOD", "compile_rank", "is_selective", "loop_costs", "patterns", "periodic_schedules", "periodic_tree", "selective", "solve_periodic",
 ]
