@@ -162,7 +162,7 @@ def _calibrated_periodic(
 
     groups = [(g.start, g.length) for g in chain.stacked]
     param_bytes = [tree_bytes(v) for v in chain.stage_shapes(variables)]
-    candidates = periodic_schedules(costs, groups, max_period=max_period, param_bytes=param_bytes)
+    candidates = _loop_schedules(costs, groups, param_bytes, max_period)
     measure = functools.partial(step_temp, chain, variables, sample)
     found = calibrated_pick(
         candidates, budget_bytes(costs, budget), measure, optimistic=lambda s: int(0.85 * simulate(costs, s.ops)[0])
@@ -195,15 +195,20 @@ def _periodic(chain: Chain, variables: Any, costs: ChainCosts, budget: Any, slot
     return regularise(best, [(c, k) for c, k in zip(classes, stage_classes(best))])
 
 
+def _loop_schedules(costs: ChainCosts, groups: list, param_bytes: list[int], max_period: int, steps: int = 16) -> list[Schedule]:
+    """:func:`~jaxremat.solvers.periodic.periodic_schedules`, with shorter patterns and fewer
+    selective loops when several Repeat layers make too many combinations."""
+    for period, k in ((max_period, steps), (min(max_period, 2), 4), (1, 1)):
+        try:
+            return periodic_schedules(costs, groups, max_period=period, param_bytes=param_bytes, selective_steps=k)
+        except ValueError:  # too many combinations over several layers
+            continue
+    return periodic_schedules(costs, groups, max_period=1, param_bytes=param_bytes, selective_steps=1, limit=10**9)
+
+
 def _least_loop_peak(costs: ChainCosts, groups: list[tuple[int, int]], param_bytes: list[int]) -> int:
     """The lowest peak of a schedule that runs every Repeat layer as one loop."""
-    for period in (MAX_PERIOD, 2, 1):
-        try:
-            found = periodic_schedules(costs, groups, max_period=period, param_bytes=param_bytes, selective_steps=1)
-        except ValueError:  # too many combinations of patterns over several layers
-            continue
-        return min(s.peak for s in found)
-    raise AssertionError("unreachable: one pattern per layer is always few")
+    return min(s.peak for s in _loop_schedules(costs, groups, param_bytes, MAX_PERIOD, steps=1))
 
 
 def copy_costs(costs: ChainCosts, groups: list[tuple[int, int]], param_bytes: list[int]) -> ChainCosts:

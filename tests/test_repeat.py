@@ -24,7 +24,7 @@ from jaxremat.solvers import baselines
 from jaxremat.solvers.periodic import (
     COMPILE_TOLERANCE, compile_rank, is_selective, patterns, periodic_schedules, periodic_tree, selective, solve_periodic,
 )
-from jaxremat.solvers.regular import _kind, regularise
+from jaxremat.solvers.regular import MAX_KINDS_PERMUTED, _kind, regularise
 from jaxremat.tree import parse, span, to_ops, units
 
 
@@ -247,7 +247,8 @@ def test_regularise_never_worsens_and_groups_alike_units(L, share, first_differs
     assert sorted(k for k, _ in out.ops) == sorted(k for k, _ in sched.ops)
     kinds = [_kind(u) for u in units(parse(out.ops, L))[0] if span(u)[0] >= first_differs]
     runs = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
-    assert len(runs) == len(set(kinds))  # each kind of unit in one run
+    if len(set(kinds)) <= MAX_KINDS_PERMUTED:  # every order of the kinds tried (more: a few orders)
+        assert len(runs) == len(set(kinds))  # each kind of unit in one run
 
 
 def test_regularise_groups_the_dp_interleaving_on_identical_stages():
