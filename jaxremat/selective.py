@@ -8,8 +8,8 @@ forward and one backward (as ``nn.scan(nn.remat(block))`` does), where a loop ov
 of ``k`` copies compiles ``k`` of each.
 
 Forward: every iteration takes the block's ``jax.vjp``; the residuals that are not the block's
-inputs go into buffers of ``k + 1`` slots (``k`` stored copies and one scratch slot the other
-copies overwrite), and every copy's input is saved (the schedule keeps it: a checkpoint, or
+inputs go into buffers of ``k`` rows, one per stored copy (a checkpointed copy's write is
+masked: it writes a row back unchanged, so no scratch row is needed), and every copy's input is saved (the schedule keeps it: a checkpoint, or
 ``a_i``, which ``B i`` needs). Backward: each iteration reads its residuals from the buffer or,
 for a checkpointed copy, recomputes them from its saved input (a ``lax.cond``), then applies the
 pullback rebuilt from them. Residuals that are inputs (parameters, the input) are not stored:
@@ -120,7 +120,8 @@ def selective_scan(step: Step, flags: Sequence[bool], stacked: Any, a: Any, keys
     """
     flags = tuple(bool(f) for f in flags)
     n, k = len(flags), sum(flags)
-    slots = np.where(flags, np.cumsum(flags) - 1, k).astype(np.int32)
+    # a checkpointed copy's write is masked, onto row 0 (unchanged): no scratch row
+    slots = np.where(flags, np.cumsum(flags) - 1, 0).astype(np.int32)
     traced: list[_Linearised] = []
     step = _replayed(step, jax.tree.map(lambda t: t[0], stacked), keys, a)
 
@@ -134,15 +135,15 @@ def selective_scan(step: Step, flags: Sequence[bool], stacked: Any, a: Any, keys
     def fwd(stacked: Any, keys: Any, a: Any) -> tuple[tuple[Any, Any], tuple]:
         lin = _Linearised.trace(step, jax.tree.map(lambda t: t[0], stacked), keys, a)
         traced.append(lin)
-        bufs = [jnp.zeros((k + 1, size), dtype) for dtype, size in lin.layout.buffers]
+        bufs = [jnp.zeros((k, size), dtype) for dtype, size in lin.layout.buffers]
 
         def body(carry: tuple, xs: tuple) -> tuple[tuple, tuple]:
             a, bufs = carry
-            p, u, slot = xs
+            p, u, slot, keep = xs
             out, updates, stored = lin(p, keys, a, u)
-            return (out, lin.layout.write(bufs, stored, slot)), (a, updates)
+            return (out, lin.layout.write(bufs, stored, slot, keep)), (a, updates)
 
-        (out, bufs), (inputs, updates) = lax.scan(body, (a, bufs), (stacked, jnp.arange(n), slots))
+        (out, bufs), (inputs, updates) = lax.scan(body, (a, bufs), (stacked, jnp.arange(n), slots, jnp.asarray(flags)))
         return (out, updates), (stacked, keys, inputs, bufs)
 
     def bwd(res: tuple, g: tuple[Any, Any]) -> tuple:
@@ -202,14 +203,18 @@ class _Layout:
             for d in self.dtypes
         ]
 
-    def write(self, bufs: Sequence[jax.Array], leaves: Sequence[jax.Array], slot: jax.Array) -> list[jax.Array]:
-        """``bufs`` with row ``slot`` set to ``leaves``, written one by one (no packed copy)."""
+    def write(self, bufs: Sequence[jax.Array], leaves: Sequence[jax.Array], slot: jax.Array, keep: jax.Array | None = None) -> list[jax.Array]:
+        """``bufs`` with row ``slot`` set to ``leaves``, written one by one (no packed copy); where
+        ``keep`` is false, the row is written back unchanged instead (a masked write)."""
         by_dtype = dict(zip(self.dtypes, bufs))
         offsets = dict.fromkeys(self.dtypes, 0)
         for leaf, (shape, d) in zip(leaves, self.shapes):
-            o = offsets[d]
-            by_dtype[d] = lax.dynamic_update_slice(by_dtype[d], leaf.reshape(1, -1).astype(d), (slot, o))
-            offsets[d] = o + int(np.prod(shape))
+            o, size = offsets[d], int(np.prod(shape))
+            new = leaf.reshape(1, -1).astype(d)
+            if keep is not None:
+                new = jnp.where(keep, new, lax.dynamic_slice(by_dtype[d], (slot, o), (1, size)))
+            by_dtype[d] = lax.dynamic_update_slice(by_dtype[d], new, (slot, o))
+            offsets[d] = o + size
         return [by_dtype[d] for d in self.dtypes]
 
     def unpack(self, flats: Sequence[jax.Array]) -> list[jax.Array]:
