@@ -181,11 +181,10 @@ def _periodic(chain: Chain, variables: Any, costs: ChainCosts, budget: Any, slot
     found = solve_periodic(costs, target, groups, max_period=max_period, param_bytes=param_bytes)
     if found is not None:
         return found
-    copied = copy_costs(costs, groups, param_bytes)
-    least_loop = _least_loop_peak(costs, groups, param_bytes)
     try:
-        best = solve(copied, target, slots=slots)
+        best = solve(copy_costs(costs, groups, param_bytes), target, slots=slots)
     except InfeasibleBudget as e:
+        least_loop = _least_loop_peak(costs, groups, param_bytes)
         raise InfeasibleBudget(
             "optimal", target, min(least_loop, e.min_budget),
             note=f"a Repeat layer runs as one loop from {format_bytes(least_loop)}; below that its stacked "

@@ -68,13 +68,25 @@ def _pullback(step: Step, p: Any, keys: Any, a: Any, u: jax.Array) -> tuple[Any,
     return out, updates, stored, pull_tree, kinds
 
 
+def _replay(fn: Callable, *example: Any) -> tuple[Callable, Any]:
+    """``fn`` traced once to a jaxpr (at ``example``'s shapes) and a function that replays it,
+    with the output shapes. Tracing a Flax block is the slow part of building each loop body;
+    replaying its jaxpr is cheap."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*example)
+    tree = jax.tree.structure(shapes)
+
+    def replay(*args: Any) -> Any:
+        return tree.unflatten(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args)))
+
+    return replay, shapes
+
+
 @dataclass(frozen=True)
 class _Linearised:
-    """One copy's forward pass with its residuals, traced once (a jaxpr replayed in the forward
-    loop and in the backward loop's recomputation), and how to rebuild its pullback."""
+    """One copy's forward pass with its residuals, traced once (replayed in the forward loop and
+    in the backward loop's recomputation), and how to rebuild its pullback."""
 
-    jaxpr: Any  # (p, keys, a, u) -> (out, updates, stored residuals)
-    outputs: Any  # the tree of (out, updates, stored)
+    run: Callable  # (p, keys, a, u) -> (out, updates, stored residuals)
     pull_tree: Any
     kinds: tuple
     layout: "_Layout"
@@ -87,29 +99,15 @@ class _Linearised:
             out, updates, stored, found["tree"], found["kinds"] = _pullback(step, p, keys, a, u)
             return out, updates, stored
 
-        closed, shapes = jax.make_jaxpr(run, return_shape=True)(p, keys, a, jnp.int32(0))
-        return cls(closed, jax.tree.structure(shapes), found["tree"], found["kinds"], _Layout(shapes[2]))
+        replay, shapes = _replay(run, p, keys, a, jnp.int32(0))
+        return cls(replay, found["tree"], found["kinds"], _Layout(shapes[2]))
 
     def __call__(self, p: Any, keys: Any, a: Any, u: jax.Array) -> tuple[Any, Any, list]:
-        flat = jax.core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, *jax.tree.leaves((p, keys, a, u)))
-        return self.outputs.unflatten(flat)
+        return self.run(p, keys, a, u)
 
     def pullback(self, stored: Sequence[jax.Array], p: Any, a: Any) -> Callable:
         ins, got = jax.tree.leaves((p, a)), iter(stored)
         return jax.tree.unflatten(self.pull_tree, [ins[j] if kind == "in" else next(got) for kind, j in self.kinds])
-
-
-def _replayed(step: Step, p: Any, keys: Any, a: Any) -> Step:
-    """``step`` traced once to a jaxpr and replayed: it is run in the primal loop, linearised
-    for the forward loop and recomputed in the backward loop, and tracing a Flax block is the
-    slow part of each (replaying its jaxpr is cheap)."""
-    closed, shapes = jax.make_jaxpr(step, return_shape=True)(p, keys, a, jnp.int32(0))
-    tree = jax.tree.structure(shapes)
-
-    def replay(p: Any, keys: Any, a: Any, u: jax.Array) -> tuple[Any, Any]:
-        return tree.unflatten(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((p, keys, a, u))))
-
-    return replay
 
 
 def selective_scan(step: Step, flags: Sequence[bool], stacked: Any, a: Any, keys: Any) -> tuple[Any, Any]:
@@ -123,7 +121,7 @@ def selective_scan(step: Step, flags: Sequence[bool], stacked: Any, a: Any, keys
     # a checkpointed copy's write is masked, onto row 0 (unchanged): no scratch row
     slots = np.where(flags, np.cumsum(flags) - 1, 0).astype(np.int32)
     traced: list[_Linearised] = []
-    step = _replayed(step, jax.tree.map(lambda t: t[0], stacked), keys, a)
+    step = _replay(step, jax.tree.map(lambda t: t[0], stacked), keys, a, jnp.int32(0))[0]
 
     def plain(stacked: Any, keys: Any, a: Any) -> tuple[Any, Any]:
         return lax.scan(lambda a, xs: step(xs[0], keys, a, xs[1]), a, (stacked, jnp.arange(n)))

@@ -280,3 +280,15 @@ def test_calibrated_pick_takes_the_fastest_candidate_that_measures_within_budget
     assert got is not None and got.schedule.ops == fits[0].ops and got.measured_peak <= budget
     assert all(int(0.85 * s.peak) <= budget for s in measured)  # the hopeless are not compiled
     assert calibrated_pick(cands, 1, measure, optimistic=lambda s: 0, tries=3) is None
+
+
+def test_a_budget_below_every_loop_names_the_least_budget():
+    """Below what any loop over the Repeat needs, slicing its parameters would copy them: the
+    plan counts the copies, and when that does not fit either says the least budget."""
+    _, chain, v, x = _noisy_model(12)
+    costs = jr.ChainCosts.uniform(len(chain), x=4, xbar=12)
+    with pytest.raises(jr.InfeasibleBudget, match="runs as one loop from") as info:
+        jr.plan(chain, v, x, 10, costs=costs)
+    assert 10 < info.value.min_budget
+    p = jr.plan(chain, v, x, info.value.min_budget, costs=costs)  # the least budget named is enough
+    assert p.predicted_peak <= info.value.min_budget
