@@ -74,8 +74,10 @@ class _Runner:
         # Repeat layers whose top-level units repeat one pattern: first stage -> (units per
         # period m, stages per period p, periods n); they run as one scan over a reshape
         self.periodic: dict[int, tuple[int, int, int]] = {}
-        # Repeat layers whose copies are each stored or checkpointed alone, not all alike: first
-        # stage -> per copy, stored or not; they run as one selective loop (also in periodic, as p=1)
+        # Repeat layers whose copies are each stored or checkpointed alone, in a mix that repeats
+        # no short pattern: first stage -> per copy, stored or not; they run as one selective
+        # loop, and are also in periodic as (1, 1, n): their variables are cut as one stage per
+        # iteration, and their n units form one segment
         self.selective: dict[int, tuple[bool, ...]] = {}
         # other runs of alike units over a Repeat's stacked variables: first stage -> (n, k)
         self.stacked_runs: dict[int, tuple[int, int]] = {}

@@ -102,9 +102,6 @@ class _Linearised:
         replay, shapes = _replay(run, p, keys, a, jnp.int32(0))
         return cls(replay, found["tree"], found["kinds"], _Layout(shapes[2]))
 
-    def __call__(self, p: Any, keys: Any, a: Any, u: jax.Array) -> tuple[Any, Any, list]:
-        return self.run(p, keys, a, u)
-
     def pullback(self, stored: Sequence[jax.Array], p: Any, a: Any) -> Callable:
         ins, got = jax.tree.leaves((p, a)), iter(stored)
         return jax.tree.unflatten(self.pull_tree, [ins[j] if kind == "in" else next(got) for kind, j in self.kinds])
@@ -138,7 +135,7 @@ def selective_scan(step: Step, flags: Sequence[bool], stacked: Any, a: Any, keys
         def body(carry: tuple, xs: tuple) -> tuple[tuple, tuple]:
             a, bufs = carry
             p, u, slot, keep = xs
-            out, updates, stored = lin(p, keys, a, u)
+            out, updates, stored = lin.run(p, keys, a, u)
             return (out, lin.layout.write(bufs, stored, slot, keep)), (a, updates)
 
         (out, bufs), (inputs, updates) = lax.scan(body, (a, bufs), (stacked, jnp.arange(n), slots, jnp.asarray(flags)))
@@ -157,7 +154,7 @@ def selective_scan(step: Step, flags: Sequence[bool], stacked: Any, a: Any, keys
             p, a, u, stored, slot = xs
 
             def recompute() -> list:
-                return lin.layout.pack(lin(p, keys, a, u)[2])
+                return lin.layout.pack(lin.run(p, keys, a, u)[2])
 
             def load() -> list:
                 return [lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in bufs]
