@@ -19,8 +19,8 @@ from pathlib import Path
 
 import jax
 
-from jaxremat import bench
-from jaxremat.models import SAMPLES, sample_input
+from jaxremat.tools import bench
+from jaxremat.tools.models import SAMPLES, sample_input
 
 LABELS = {
     "resnet": "ResNet-style CNN (3 groups x 2 residual blocks, GroupNorm), 16 x 32x32x3",

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxremat as jr
-from jaxremat.calibrate import compile_schedule_step
-from jaxremat.executor import as_planned
-from jaxremat.profiler import Rates
+from jaxremat.api.calibrate import compile_schedule_step
+from jaxremat.core.compile import as_planned
+from jaxremat.profiling import Rates
 from profile_fidelity import TransformerBlock  # noqa: E402  (same directory)
 
 WIDTH, HEADS, TOKENS, BATCH = 128, 4, 64, 2
@@ -128,10 +128,10 @@ def depth_table(depths: list[int]) -> None:
 def _period(schedule) -> str:
     """How a schedule runs one Repeat layer: a selective loop (how many copies stored) or the
     repeated pattern."""
-    from jaxremat.tree import parse, span, units
+    from jaxremat.core.tree import StoreUnit, parse, units
 
     spine = units(parse(schedule.ops, schedule.costs.length))[0]
-    kinds = ["store" if u[0] == "store" else f"region of {span(u)[1] - span(u)[0]}" for u in spine]
+    kinds = ["store" if isinstance(u, StoreUnit) else f"region of {u.stop - u.start}" for u in spine]
     if len(set(kinds)) == 2 and set(kinds) == {"store", "region of 1"}:
         return f"selective loop: {kinds.count('store')} of {len(kinds)} stored"
     for m in range(1, len(kinds) + 1):

@@ -18,11 +18,12 @@ from pathlib import Path
 import jax
 
 import jaxremat as jr
-from jaxremat import models as zoo
-from jaxremat.calibrate import compile_schedule_step
-from jaxremat.chain import Chain
-from jaxremat.profiler import Rates, profile
-from jaxremat.simulate import FORWARD_KINDS
+from jaxremat.tools import models as zoo
+from jaxremat.api.calibrate import compile_schedule_step
+from jaxremat.model.chain import Chain
+from jaxremat import profile
+from jaxremat.profiling import Rates
+from jaxremat.core.simulator import FORWARD_KINDS
 from profile_fidelity import models  # noqa: E402  (same directory)
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import jax
 
 import jaxremat as jr
-from jaxremat import compare
-from jaxremat.models import gpt, resnet, sample_input
+from jaxremat.tools import compare
+from jaxremat.tools.models import gpt, resnet, sample_input
 
 SIZES = {
     # name: (factory, kwargs, input shape, dtype)

@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 
 import jaxremat as jr
-from jaxremat.chain import Chain, tree_bytes
-from jaxremat.profiler import Rates, profile
+from jaxremat.model.chain import Chain
+from jaxremat.model.trees import tree_bytes
+from jaxremat import profile
+from jaxremat.profiling import Rates
 from jaxremat.solvers import baselines
-from jaxremat.xla_memory import step_memory
+from jaxremat.profiling.xla_buffers import step_memory
 
 
 class Block(nn.Module):

@@ -46,8 +46,9 @@ def child(L: int, slots: int, repeats: int) -> dict:
     import time
 
     import jaxremat as jr
-    from jaxremat.solvers import budget_bytes, dp_jax
-    from jaxremat.solvers.discretise import discretise
+    from jaxremat.core.budgets import budget_bytes
+    from jaxremat.solvers import _dp_jax as dp_jax
+    from jaxremat.solvers._discretise import discretise
 
     rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # noqa: E731  (MiB on Linux)
     import jax.numpy as jnp

@@ -16,7 +16,7 @@ import argparse
 import jax.numpy as jnp
 import numpy as np
 
-from jaxremat.models import gpt
+from jaxremat.tools.models import gpt
 
 from _common import run  # noqa: E402  (same folder)
 

@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--budget", default="50%")
     args = parser.parse_args()
     model = make_model()
-    wrapped = jr.remat_chain(args.budget, profile="xla")(model)
+    wrapped = jr.remat_chain(args.budget, method="xla")(model)
     x0 = jnp.zeros((256, 32))
     variables = wrapped.init(jax.random.key(0), x0)
     plan = wrapped.plan(variables, x0)

@@ -14,7 +14,7 @@ import argparse
 import jax.numpy as jnp
 import numpy as np
 
-from jaxremat.models import resnet
+from jaxremat.tools.models import resnet
 
 from _common import run  # noqa: E402  (same folder)
 

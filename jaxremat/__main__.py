@@ -1,5 +1,5 @@
 import sys
 
-from jaxremat.cli import main
+from jaxremat.tools.cli import main
 
 sys.exit(main())

@@ -65,7 +65,7 @@ def _private_cache(tmp_path, monkeypatch):
 def plain_forward(chain):
     """``f(variables, x, rngs) -> (out, updates)``: ``chain`` stage by stage with plain autodiff,
     each stage's keys folded from the step's as the executor folds them (the reference)."""
-    from jaxremat.chain import stage_rngs
+    from jaxremat.model.stage import stage_rngs
 
     def f(variables, x, rngs):
         per, a, updates = chain.split(variables), x, {}

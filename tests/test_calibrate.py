@@ -6,9 +6,9 @@ import jax
 import pytest
 
 import jaxremat as jr
-from jaxremat.calibrate import calibrated_solve, step_temp
-from jaxremat.models import mixer, sample_input
-from jaxremat.profiler import Rates
+from jaxremat.api.calibrate import calibrated_solve, step_temp
+from jaxremat.tools.models import mixer, sample_input
+from jaxremat.profiling import Rates
 
 
 def costs_of_demo_chain() -> jr.ChainCosts:

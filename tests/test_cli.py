@@ -5,7 +5,7 @@ import json
 import pytest
 
 import jaxremat as jr
-from jaxremat.cli import main
+from jaxremat.tools.cli import main
 
 SMALL = ["--model", "mixer", "--input-shape", "2,8,8,3", "--method", "xla", "--quiet"]
 
@@ -46,9 +46,9 @@ def test_bench_writes_csv_markdown_and_plot(tmp_path, capsys):
     [
         (["plan", "--model", "nosuchmodel", "--budget", "40%"], "cannot find model 'nosuchmodel'"),
         (["plan", "--model", "nosuch.module:f", "--budget", "40%"], "cannot import 'nosuch.module'"),
-        (["plan", "--model", "jaxremat.models:nothing", "--budget", "40%"], "has no attribute 'nothing'"),
-        (["plan", "--model", "jaxremat.models:sample_input", "--budget", "1", "--input-shape", "2"], "must be a model"),
-        (["plan", "--model", "jaxremat.models:resnet", "--budget", "40%"], "--input-shape is needed"),
+        (["plan", "--model", "jaxremat.tools.models:nothing", "--budget", "40%"], "has no attribute 'nothing'"),
+        (["plan", "--model", "jaxremat.tools.models:sample_input", "--budget", "1", "--input-shape", "2"], "must be a model"),
+        (["plan", "--model", "jaxremat.tools.models:resnet", "--budget", "40%"], "--input-shape is needed"),
         (["plan", "--model", "resnet", "--input-shape", "2,a,3", "--budget", "40%"], "cannot read an input shape"),
         (["plan", "--model", "gpt", "--input-shape", "2,16", "--dtype", "float32", "--budget", "40%"],
          "cannot take an input of shape"),

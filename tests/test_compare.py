@@ -4,9 +4,9 @@ import jax
 import numpy as np
 
 import jaxremat as jr
-from jaxremat import compare
-from jaxremat.models import SAMPLES, mixer, sample_input
-from jaxremat.profiler import Rates
+from jaxremat.tools import compare
+from jaxremat.tools.models import SAMPLES, mixer, sample_input
+from jaxremat.profiling import Rates
 
 
 def small_mixer():

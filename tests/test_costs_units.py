@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import jaxremat as jr
-from jaxremat.solvers import budget_bytes
+from jaxremat.core.budgets import budget_bytes
 
 
 def good(**over):

@@ -12,10 +12,11 @@ import pytest
 
 import jaxremat as jr
 from conftest import Noisy, plain_forward
-from jaxremat.chain import Chain
-from jaxremat.executor import execute
-from jaxremat.tree import Leaf, Region, Store, parse
-from jaxremat.profiler import Rates, profile
+from jaxremat.model.chain import Chain
+from jaxremat.run.executor import execute
+from jaxremat.core.tree import Leaf, Region, Store, parse
+from jaxremat import profile
+from jaxremat.profiling import Rates
 from jaxremat.solvers import baselines
 
 
@@ -112,22 +113,28 @@ def test_schedule_for_another_chain_is_refused():
         execute(chain, other)
 
 
-def test_cpu_without_the_compile_option_warns_once(monkeypatch):
-    import jaxremat.executor as ex
+def _remat_warnings(run) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [w for w in caught if "undoes rematerialisation" in str(w.message)]
 
-    monkeypatch.setattr(ex, "_warned", ex.contextvars.ContextVar("fresh", default=False))
+
+def test_cpu_warning_only_without_the_compile_option(monkeypatch):
+    """The warning names three ways to compile with the option; each of them silences it
+    (``jax.jit(..., compiler_options=jaxremat.compiler_options())`` used to warn all the same),
+    and without any of them it warns."""
     chain = Chain.from_linen([Block(4), Block(4), Block(4)])
     x = jnp.ones((2, 4))
     v = chain.init(jax.random.key(0), x)
     f = execute(chain, jr.solve(jr.ChainCosts.uniform(3, x=32, xbar=64), None, algorithm="every_stage"))
     loss = lambda v: jnp.sum(f(v, x)[0])  # noqa: E731
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        jr.jit(jax.grad(loss))(v)
-    assert not [w for w in caught if "undoes rematerialisation" in str(w.message)]
-    with pytest.warns(UserWarning, match="undoes rematerialisation"):
-        jax.jit(jax.grad(loss))(v)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        jax.jit(jax.grad(lambda v: jnp.sum(f(v, x * 2)[0])))(v)
-    assert not [w for w in caught if "undoes rematerialisation" in str(w.message)]  # once
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert not _remat_warnings(lambda: jr.jit(jax.grad(loss))(v))
+    assert not _remat_warnings(lambda: jax.jit(jax.grad(loss), compiler_options=jr.compiler_options())(v))
+    assert not _remat_warnings(lambda: jax.jit(jax.grad(loss), compiler_options=jr.compiler_options()).lower(v))
+    warned = _remat_warnings(lambda: jax.jit(jax.grad(loss))(v))
+    assert warned and all(w in str(warned[0].message) for w in ("jaxremat.jit", "compiler_options", "XLA_FLAGS"))
+    assert _remat_warnings(lambda: jax.jit(jax.grad(loss), compiler_options={"xla_cpu_enable_fast_math": False})(v))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1 --xla_disable_hlo_passes=cse_barrier_expander")
+    assert not _remat_warnings(lambda: jax.jit(jax.grad(loss))(v))

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 import jaxremat as jr
-from jaxremat.simulate import FORWARD_KINDS, Machine
+from jaxremat.core.simulator import FORWARD_KINDS, Machine
 
 
 def exhaustive_best_time(costs: jr.ChainCosts, budget: int) -> float:

@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxremat.chain import Chain, tree_bytes
-from jaxremat.profiler import Rates, profile, profile_stages, report
+from jaxremat.model.chain import Chain
+from jaxremat.model.trees import tree_bytes
+from jaxremat.profiling import Rates, profile_stages, report
+from jaxremat import profile
 
 RATES = Rates(flops=1e10, bandwidth=1e10)  # fixed, so "xla" times are deterministic
 
@@ -92,7 +94,7 @@ def test_profiling_does_not_touch_the_callers_variables():
 
 
 def _count_profiles(monkeypatch):
-    import jaxremat.profiler as prof
+    import jaxremat.profiling.profiler as prof
 
     calls = []
     real = prof.profile_stage
@@ -123,7 +125,7 @@ def test_identical_stages_once_and_disk_cache(monkeypatch, tmp_path):
 
 
 def test_corrupt_cache_entry_is_ignored_with_a_warning(monkeypatch):
-    from jaxremat import cache
+    from jaxremat.profiling import cache
 
     calls = _count_profiles(monkeypatch)
     chain = Chain.from_linen([Block(16)])
@@ -178,7 +180,7 @@ def test_nnx_chain_matches_the_module_and_profiles():
 
 
 def test_xla_method_without_rates_measures_them_once(monkeypatch):
-    import jaxremat.profiler as prof
+    import jaxremat.profiling.rates as prof
 
     measured = []
     monkeypatch.setattr(prof, "measure_rates", lambda: measured.append(1) or Rates(2e10, 1e10))

@@ -24,7 +24,7 @@ def loss(model, x):
 
 def test_gradients_and_batch_stats_match_the_plain_model_under_jit():
     x = jax.random.normal(jax.random.key(0), (32, 16))
-    plain, wrapped = make(), jr.remat_nnx("50%", profile="xla")(make())
+    plain, wrapped = make(), jr.remat_nnx("50%", method="xla")(make())
     ref_loss, ref_g = nnx.jit(lambda m, x: nnx.value_and_grad(loss)(m, x))(plain, x)
     graphdef, state = nnx.split(wrapped)
 
@@ -52,7 +52,7 @@ def test_gradients_and_batch_stats_match_the_plain_model_under_jit():
 def test_trains_with_nnx_optimizer_like_the_plain_model():
     x = jax.random.normal(jax.random.key(1), (32, 16))
     losses = {}
-    for name, model in (("plain", make()), ("remat", jr.remat_nnx("60%", profile="xla")(make()))):
+    for name, model in (("plain", make()), ("remat", jr.remat_nnx("60%", method="xla")(make()))):
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         graphdef, state = nnx.split((model, opt))
 

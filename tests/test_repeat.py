@@ -14,18 +14,26 @@ from hypothesis import strategies as st
 
 import jaxremat as jr
 from conftest import Noisy, plain_forward
-from jaxremat.calibrate import compile_schedule_step
-from jaxremat.chain import Chain
-from jaxremat.executor import as_planned, execute
-from jaxremat.models import gpt
-from jaxremat.profiler import Rates, profile
-from jaxremat.schedule import Schedule
+from jaxremat.api.calibrate import compile_schedule_step
+from jaxremat.model.chain import Chain
+from jaxremat.core.compile import as_planned
+from jaxremat.run.executor import execute
+from jaxremat.tools.models import gpt
+from jaxremat import profile
+from jaxremat.profiling import Rates
+from jaxremat.core.schedule import Schedule
 from jaxremat.solvers import baselines
+from jaxremat.core.loops import compile_rank, is_selective
 from jaxremat.solvers.periodic import (
-    COMPILE_TOLERANCE, compile_rank, is_selective, patterns, periodic_schedules, periodic_tree, selective, solve_periodic,
+    COMPILE_TOLERANCE, patterns, periodic_schedules, periodic_tree, selective, solve_periodic,
 )
-from jaxremat.solvers.regular import MAX_KINDS_PERMUTED, _kind, regularise
-from jaxremat.tree import parse, span, to_ops, units
+from jaxremat.solvers.regular import MAX_KINDS_PERMUTED, regularise
+from jaxremat.core.tree import StoreUnit, parse, to_ops, units
+
+
+def _kind(u):
+    """A top-level unit as (kind, stages)."""
+    return ("store" if isinstance(u, StoreUnit) else "region", u.stop - u.start)
 
 
 class Block(nn.Module):
@@ -165,7 +173,7 @@ def test_a_schedule_that_does_not_repeat_a_pattern_warns_and_stays_exact():
 def test_remat_chain_trains_a_repeat_model_like_the_plain_one():
     model = nn.Sequential([nn.Dense(16), jr.Repeat(Block(16), 8), nn.Dense(1)])
     x = jax.random.normal(jax.random.key(1), (32, 4))
-    wrapped = jr.remat_chain("40%", profile="xla")(model)
+    wrapped = jr.remat_chain("40%", method="xla")(model)
     v = wrapped.init(jax.random.key(0), x)
     assert jax.tree.structure(v) == jax.tree.structure(model.init(jax.random.key(0), x))
     p = wrapped.plan(v, x)
@@ -228,7 +236,7 @@ def test_periodic_solver_fits_runs_as_a_loop_and_is_the_fastest_loop(n, before, 
 
 def _group_pattern(sched, start, n):
     """The shortest pattern of units (kind, stages) repeated over stages ``start .. start+n-1``."""
-    shapes = [(u[0], span(u)[1] - span(u)[0]) for u in units(parse(sched.ops, sched.costs.length))[0] if start <= span(u)[0] < start + n]
+    shapes = [_kind(u) for u in units(parse(sched.ops, sched.costs.length))[0] if start <= u.start < start + n]
     m = next(m for m in range(1, len(shapes) + 1) if shapes == shapes[:m] * (len(shapes) // m))
     return tuple(shapes[:m])
 
@@ -245,7 +253,7 @@ def test_regularise_never_worsens_and_groups_alike_units(L, share, first_differs
     out = regularise(sched)
     assert out.peak <= sched.peak and out.time <= sched.time * (1 + 1e-9)
     assert sorted(k for k, _ in out.ops) == sorted(k for k, _ in sched.ops)
-    kinds = [_kind(u) for u in units(parse(out.ops, L))[0] if span(u)[0] >= first_differs]
+    kinds = [u.structure() for u in units(parse(out.ops, L))[0] if u.start >= first_differs]
     runs = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
     if len(set(kinds)) <= MAX_KINDS_PERMUTED:  # every order of the kinds tried (more: a few orders)
         assert len(runs) == len(set(kinds))  # each kind of unit in one run
@@ -255,14 +263,14 @@ def test_regularise_groups_the_dp_interleaving_on_identical_stages():
     costs = jr.ChainCosts.uniform(48, x=65536, xbar=2_700_000, fwd_tmp=300_000, bwd_tmp=600_000)
     sched = jr.solve(costs, "50%")
     out = regularise(sched)
-    kinds = [(u[0], span(u)[1] - span(u)[0]) for u in units(parse(out.ops, 48))[0]]
+    kinds = [_kind(u) for u in units(parse(out.ops, 48))[0]]
     runs = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
     assert len(runs) == len(set(kinds))  # every kind of unit in one run
     assert out.peak <= sched.peak and out.time <= sched.time * (1 + 1e-9)
 
 
 def test_calibrated_pick_takes_the_fastest_candidate_that_measures_within_budget():
-    from jaxremat.calibrate import calibrated_pick
+    from jaxremat.api.calibrate import calibrated_pick
     from jaxremat.solvers.periodic import periodic_schedules
 
     costs = jr.ChainCosts.uniform(14, x=4, xbar=40, fwd_tmp=1, bwd_tmp=2)

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 import jaxremat as jr
 from jaxremat.solvers import baselines
-from jaxremat.solvers.discretise import discretise, least_memory
-from jaxremat.solvers.dp_jax import compile_count, table
-from jaxremat.solvers.dp_numpy import reference_table
+from jaxremat.solvers._discretise import discretise, least_memory
+from jaxremat.solvers._dp_jax import compile_count, table
+from jaxremat.solvers._dp_numpy import reference_table
 
 BASELINES = ("revolve", "sqrt", "every_stage", "store_all", "recompute_all")
 SLOTS = (500, 50)  # a few fixed values keep the number of compiled table programs small
@@ -157,13 +157,13 @@ def test_sqrt_has_about_sqrt_l_checkpoints():
 
 def test_pareto_front():
     c = random_chain(np.random.default_rng(6), 10)
-    front = jr.pareto(c, "optimal", points=8)
+    front = jr.pareto(c, algorithm="optimal", points=8)
     assert len(front) == 8
     assert [s.budget for s in front] == sorted(s.budget for s in front)
     assert front[0].budget == jr.min_budget(c)
     assert all(s.peak <= s.budget for s in front)
     assert front[-1].time == pytest.approx(c.fwd.sum() + c.bwd.sum())
-    some = jr.pareto(c, "sqrt", budgets=["50%", "100%", 1])
+    some = jr.pareto(c, algorithm="sqrt", budgets=["50%", "100%", 1])
     assert [s.budget for s in some] == [jr.store_all_peak(c)]
 
 

@@ -17,11 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxremat.chain import Chain
-from jaxremat.costs import ChainCosts
-from jaxremat.executor import as_planned, compiler_options, execute
-from jaxremat.schedule import InfeasibleBudget, Schedule
-from jaxremat.solvers import budget_bytes, min_budget, solve, store_all_peak
+from jaxremat.core.budgets import Budget, budget_bytes, store_all_peak
+from jaxremat.core.compile import as_planned, compiler_options
+from jaxremat.core.costs import ChainCosts
+from jaxremat.core.schedule import InfeasibleBudget, Schedule
+from jaxremat.model.chain import Chain
+from jaxremat.run.executor import execute
+from jaxremat.solvers import min_budget, solve
 
 
 def _loss(out: Any) -> jax.Array:
@@ -80,7 +82,7 @@ class Calibrated:
 
 def calibrated_solve(
     costs: ChainCosts,
-    budget: Any,
+    budget: Budget,
     measure: Callable[[Schedule], int],
     *,
     algorithm: str = "optimal",

@@ -1,4 +1,4 @@
-"""The chain cost model of ``COST_MODEL.md``: sizes, times and temporaries per stage."""
+"""The chain cost model of ``docs/cost_model.md``: sizes, times and temporaries per stage."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxremat.units import format_bytes
+from jaxremat.core.units import format_bytes
 
 _SIZE_FIELDS = ("x", "xbar", "fwd_tmp", "bwd_tmp")
 _TIME_FIELDS = ("fwd", "bwd")
@@ -49,7 +49,7 @@ def _as_array(name: str, values: Any, *, integral: bool) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class ChainCosts:
-    """Per-stage costs of a chain of ``L`` stages (see ``COST_MODEL.md``).
+    """Per-stage costs of a chain of ``L`` stages (see ``docs/cost_model.md``).
 
     Args:
       x: ``L+1`` sizes in bytes of the activations ``a_0 .. a_L`` (and of their gradients).

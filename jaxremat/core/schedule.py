@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxremat.costs import ChainCosts
-from jaxremat.simulate import FORWARD_KINDS, Op, simulate
-from jaxremat.units import format_bytes
+from jaxremat.core.costs import ChainCosts
+from jaxremat.core.ops import FORWARD_KINDS, Op, OpKind, ops_of
+from jaxremat.core.simulator import simulate
+from jaxremat.core.units import format_bytes
 
 
 class InfeasibleBudget(ValueError):
@@ -22,6 +23,7 @@ class InfeasibleBudget(ValueError):
         self.algorithm = algorithm
         self.budget = int(budget)
         self.min_budget = int(min_budget)
+        self.note = note
         msg = (
             f"budget {format_bytes(budget)} ({budget:,} bytes) is below what algorithm "
             f"{algorithm!r} needs on this chain: at least {format_bytes(min_budget)} "
@@ -32,7 +34,8 @@ class InfeasibleBudget(ValueError):
         super().__init__(msg)
 
     def __reduce__(self):
-        return (InfeasibleBudget, (self.algorithm, self.budget, self.min_budget))
+        # pickling (multiprocessing, pytest-xdist) rebuilds the error from these: the note too
+        return (InfeasibleBudget, (self.algorithm, self.budget, self.min_budget, self.note))
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class StageDecision:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A valid op list (``COST_MODEL.md``) with its simulated peak (bytes) and time."""
+    """A valid op list (``docs/cost_model.md``) with its simulated peak (bytes) and time."""
 
     ops: tuple[Op, ...]
     time: float
@@ -65,7 +68,7 @@ class Schedule:
         cls, costs: ChainCosts, ops, *, budget: int | None, algorithm: str, note: str = ""
     ) -> "Schedule":
         """Build a schedule, replaying ``ops`` for its exact peak and time."""
-        ops = tuple((str(k), int(i)) for k, i in ops)
+        ops = ops_of(ops)
         peak, time = simulate(costs, ops)
         return cls(ops=ops, time=time, peak=peak, budget=budget, algorithm=algorithm, costs=costs, note=note)
 
@@ -80,7 +83,7 @@ class Schedule:
         L = self.costs.length
         first: list[str] = ["none"] * L
         counts = [0] * L
-        names = {"Fall": "stored", "Fck": "checkpoint", "Fn": "dropped"}
+        names = {OpKind.FALL: "stored", OpKind.FCK: "checkpoint", OpKind.FN: "dropped"}
         for kind, i in self.ops:
             if kind in FORWARD_KINDS:
                 if counts[i] == 0:

@@ -1,4 +1,4 @@
-"""Replay an op list under the rules of ``COST_MODEL.md`` with exact bytes.
+"""Replay an op list under the rules of ``docs/cost_model.md`` with exact bytes.
 
 The :class:`Machine` holds what is live and applies one op at a time; :func:`simulate` replays
 a whole schedule. Solvers, tests and the exhaustive search all go through the same rules.
@@ -8,12 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from jaxremat.costs import ChainCosts
-
-FORWARD_KINDS = ("Fck", "Fn", "Fall")
-KINDS = FORWARD_KINDS + ("Loss", "B")
-
-Op = tuple[str, int]
+from jaxremat.core.costs import ChainCosts
+from jaxremat.core.ops import FORWARD_KINDS, Op, OpKind
 
 
 class Machine:
@@ -56,20 +52,16 @@ class Machine:
     def done(self) -> bool:
         return self.next_b == -1 and self.delta == 0
 
-    def step(self, op: Op, position: int = 0) -> int:
+    def step(self, op: Op | tuple, position: int = 0) -> int:
         """Apply ``op``; return the bytes in use while it runs (without ``a_0``).
 
         Raises ``ValueError`` naming ``position`` if the op is not allowed here.
         """
-        try:
-            kind, i = op
-            i = int(i)
-        except (TypeError, ValueError):
-            raise ValueError(f"op #{position} {op!r} is not a (kind, stage) pair") from None
+        kind, i = Op.of(op, position)
         c, L = self.costs, self.L
 
         def fail(why: str) -> ValueError:
-            return ValueError(f"op #{position} ({kind!r}, {i}): {why}")
+            return ValueError(f"op #{position} ({kind.value!r}, {i}): {why}")
 
         if kind in FORWARD_KINDS:
             if not 0 <= i < L:
@@ -78,7 +70,7 @@ class Machine:
                 raise fail(f"a_{i} is not live (nothing holds stage {i}'s input)")
             if (i + 1) in self.a or i in self.abar:
                 raise fail(f"a_{i + 1} is already live; an op may not create a live buffer again")
-            if kind == "Fall":
+            if kind is OpKind.FALL:
                 peak = self.cur + int(c.xbar[i]) + int(c.fwd_tmp[i])
                 self.abar.add(i)
                 self.cur += int(c.xbar[i])
@@ -86,12 +78,12 @@ class Machine:
                 peak = self.cur + int(c.x[i + 1]) + int(c.fwd_tmp[i])
                 self.a.add(i + 1)
                 self.cur += int(c.x[i + 1])
-                if kind == "Fn" and i in self.a:
+                if kind is OpKind.FN and i in self.a:
                     self.a.discard(i)
                     self.cur -= int(c.x[i])
             self.time += float(c.fwd[i])
             return peak
-        if kind == "Loss":
+        if kind is OpKind.LOSS:
             if i != L:
                 raise fail(f"the loss op is ('Loss', {L}) for this chain of {L} stages")
             if self.loss_done:
@@ -106,34 +98,33 @@ class Machine:
                 self.a.discard(L)
                 self.cur -= int(c.x[L])
             return peak
-        if kind == "B":
-            if not 0 <= i < L:
-                raise fail(f"stage index out of range 0..{L - 1}")
-            if not self.loss_done:
-                raise fail("a backward op before Loss")
-            if i != self.next_b:
-                expected = f"('B', {self.next_b})" if self.next_b >= 0 else "nothing (all backward ops are done)"
-                raise fail(f"backward ops run once each in order L-1..0; expected {expected}")
-            if self.delta != i + 1:
-                raise fail(f"delta_{i + 1} is not live")
-            if i not in self.abar:
-                raise fail(f"abar_{i} is not live (stage {i} must run 'Fall' before its backward)")
-            if not self.a_live(i):
-                raise fail(f"a_{i} is not live (stage {i}'s input is needed by its backward)")
-            peak = self.cur + int(c.x[i]) + int(c.bwd_tmp[i])
-            self.cur += int(c.x[i]) - int(c.x[i + 1]) - int(c.xbar[i])
-            self.abar.discard(i)
-            self.delta = i
-            if i in self.a:
-                self.a.discard(i)
-                self.cur -= int(c.x[i])
-            self.next_b = i - 1
-            self.time += float(c.bwd[i])
-            return peak
-        raise fail(f"unknown op kind; expected one of {', '.join(KINDS)}")
+        # OpKind.B
+        if not 0 <= i < L:
+            raise fail(f"stage index out of range 0..{L - 1}")
+        if not self.loss_done:
+            raise fail("a backward op before Loss")
+        if i != self.next_b:
+            expected = f"('B', {self.next_b})" if self.next_b >= 0 else "nothing (all backward ops are done)"
+            raise fail(f"backward ops run once each in order L-1..0; expected {expected}")
+        if self.delta != i + 1:
+            raise fail(f"delta_{i + 1} is not live")
+        if i not in self.abar:
+            raise fail(f"abar_{i} is not live (stage {i} must run 'Fall' before its backward)")
+        if not self.a_live(i):
+            raise fail(f"a_{i} is not live (stage {i}'s input is needed by its backward)")
+        peak = self.cur + int(c.x[i]) + int(c.bwd_tmp[i])
+        self.cur += int(c.x[i]) - int(c.x[i + 1]) - int(c.xbar[i])
+        self.abar.discard(i)
+        self.delta = i
+        if i in self.a:
+            self.a.discard(i)
+            self.cur -= int(c.x[i])
+        self.next_b = i - 1
+        self.time += float(c.bwd[i])
+        return peak
 
 
-def simulate(costs: ChainCosts, ops: Iterable[Op]) -> tuple[int, float]:
+def simulate(costs: ChainCosts, ops: Iterable[Op | tuple]) -> tuple[int, float]:
     """Replay ``ops`` on ``costs``; return ``(peak_bytes, time)``.
 
     The peak is ``x[0]`` plus the largest "peak while it runs" over all ops; the time is the
@@ -144,7 +135,6 @@ def simulate(costs: ChainCosts, ops: Iterable[Op]) -> tuple[int, float]:
         raise TypeError(f"simulate expects ChainCosts, got {type(costs).__name__}")
     m = Machine(costs)
     top = 0
-    n = 0
     for n, op in enumerate(ops):
         top = max(top, m.step(op, n))
     if not m.done:
@@ -152,3 +142,5 @@ def simulate(costs: ChainCosts, ops: Iterable[Op]) -> tuple[int, float]:
         raise ValueError(f"schedule ends before the backward is complete: missing {missing}")
     return int(costs.x[0]) + top, m.time
 
+
+__all__ = ["Machine", "simulate"]

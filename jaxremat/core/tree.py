@@ -1,4 +1,4 @@
-"""The tree of a persistent schedule (``COST_MODEL.md``), read from and written back to its op list.
+"""The tree of a persistent schedule (``docs/cost_model.md``), read from and written back to its op list.
 
 For a segment of stages ``s .. t`` (stage ``L`` is the loss) the ops are one of
 
@@ -7,7 +7,8 @@ For a segment of stages ``s .. t`` (stage ``L`` is the loss) the ops are one of
   ``s .. j-1`` keep only their input ``a_s`` and are recomputed following ``<ops of s .. j-1>``;
 * ``Fall s, B s`` / ``Loss`` (:class:`Leaf`) for a single stage.
 
-A segment is a *spine*: a sequence of top-level units (stores and regions) ending in a leaf.
+A segment is a *spine*: a sequence of top-level units (:class:`StoreUnit` and
+:class:`RegionUnit`) ending in a leaf.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from jaxremat.simulate import Op
+from jaxremat.core.ops import Op, OpKind, ops_of
 
 
 @dataclass(frozen=True)
@@ -46,17 +47,59 @@ class Leaf:
 Node = Store | Region | Leaf
 
 
-def parse(ops: Sequence[Op], L: int) -> Node:
+@dataclass(frozen=True)
+class StoreUnit:
+    """A top-level piece of a spine: stage ``stage`` stored whole."""
+
+    stage: int
+
+    @property
+    def start(self) -> int:
+        return self.stage
+
+    @property
+    def stop(self) -> int:
+        return self.stage + 1
+
+    def moved(self, at: int) -> "StoreUnit":
+        """The same unit starting at stage ``at``."""
+        return StoreUnit(at)
+
+    def structure(self) -> tuple:
+        """What the unit does, with stage indices relative to its start."""
+        return ("store",)
+
+
+@dataclass(frozen=True)
+class RegionUnit:
+    """A top-level piece of a spine: stages ``start .. stop-1`` in a checkpoint region whose
+    recomputation follows ``inner``."""
+
+    start: int
+    stop: int
+    inner: Node
+
+    def moved(self, at: int) -> "RegionUnit":
+        return RegionUnit(at, at + self.stop - self.start, shift(self.inner, at - self.start))
+
+    def structure(self) -> tuple:
+        return ("region", self.stop - self.start, shape(self.inner, self.start))
+
+
+Unit = StoreUnit | RegionUnit
+
+
+def parse(ops: Sequence[Op | tuple], L: int) -> Node:
     """The tree of a persistent schedule; ``ValueError`` if ``ops`` is not one."""
-    ops = [(str(k), int(i)) for k, i in ops]
+    ops = ops_of(ops)
     pos = 0
 
-    def expect(kind: str, i: int) -> None:
+    def expect(kind: OpKind, i: int) -> None:
         nonlocal pos
         if pos >= len(ops) or ops[pos] != (kind, i):
             got = ops[pos] if pos < len(ops) else "the end"
             raise ValueError(
-                f"not a persistent schedule: expected ({kind!r}, {i}) at op #{pos}, got {got}; "
+                f"not a persistent schedule: expected ({kind.value!r}, {i}) at op #{pos}, got {got}; "
                 "execute() runs the tree-shaped schedules that jaxremat's solvers produce"
             )
         pos += 1
@@ -65,19 +108,19 @@ def parse(ops: Sequence[Op], L: int) -> Node:
         nonlocal pos
         if s == t:
             if s == L:
-                expect("Loss", L)
+                expect(OpKind.LOSS, L)
             else:
-                expect("Fall", s)
-                expect("B", s)
+                expect(OpKind.FALL, s)
+                expect(OpKind.B, s)
             return Leaf(s)
-        if pos < len(ops) and ops[pos] == ("Fall", s):
+        if pos < len(ops) and ops[pos] == (OpKind.FALL, s):
             pos += 1
             rest = segment(s + 1, t)
-            expect("B", s)
+            expect(OpKind.B, s)
             return Store(s, rest)
-        expect("Fck", s)
+        expect(OpKind.FCK, s)
         j = s + 1
-        while pos < len(ops) and ops[pos] == ("Fn", j) and j < t:
+        while pos < len(ops) and ops[pos] == (OpKind.FN, j) and j < t:
             pos += 1
             j += 1
         rest = segment(j, t)
@@ -90,19 +133,16 @@ def parse(ops: Sequence[Op], L: int) -> Node:
     return tree
 
 
-Unit = tuple  # ("store", i) or ("region", start, stop, inner): a top-level piece of a spine
-
-
 def units(node: Node) -> tuple[list[Unit], Leaf]:
     """A segment's tree as its sequence of top-level units and its final leaf."""
-    units: list[Unit] = []
+    spine: list[Unit] = []
     while not isinstance(node, Leaf):
         if isinstance(node, Store):
-            units.append(("store", node.stage))
+            spine.append(StoreUnit(node.stage))
         else:
-            units.append(("region", node.start, node.stop, node.inner))
+            spine.append(RegionUnit(node.start, node.stop, node.inner))
         node = node.rest
-    return units, node
+    return spine, node
 
 
 def shape(node: Node, base: int) -> tuple:
@@ -112,10 +152,6 @@ def shape(node: Node, base: int) -> tuple:
     if isinstance(node, Store):
         return ("store", node.stage - base, shape(node.rest, base))
     return ("region", node.start - base, node.stop - base, shape(node.inner, base), shape(node.rest, base))
-
-
-def span(unit: Unit) -> tuple[int, int]:
-    return (unit[1], unit[1] + 1) if unit[0] == "store" else (unit[1], unit[2])
 
 
 def shift(node: Node, d: int) -> Node:
@@ -131,19 +167,25 @@ def build(spine: Sequence[Unit], leaf: Leaf) -> Node:
     """The tree of a spine (the inverse of :func:`units`)."""
     node: Node = leaf
     for u in reversed(spine):
-        node = Store(u[1], node) if u[0] == "store" else Region(u[1], u[2], u[3], node)
+        node = Store(u.stage, node) if isinstance(u, StoreUnit) else Region(u.start, u.stop, u.inner, node)
     return node
 
 
 def to_ops(node: Node, L: int) -> list[Op]:
     """The op list of a tree (the inverse of :func:`parse`)."""
     if isinstance(node, Leaf):
-        return [("Loss", L)] if node.stage == L else [("Fall", node.stage), ("B", node.stage)]
+        return [Op(OpKind.LOSS, L)] if node.stage == L else [Op(OpKind.FALL, node.stage), Op(OpKind.B, node.stage)]
     if isinstance(node, Store):
-        return [("Fall", node.stage), *to_ops(node.rest, L), ("B", node.stage)]
+        return [Op(OpKind.FALL, node.stage), *to_ops(node.rest, L), Op(OpKind.B, node.stage)]
     return [
-        ("Fck", node.start),
-        *[("Fn", j) for j in range(node.start + 1, node.stop)],
+        Op(OpKind.FCK, node.start),
+        *[Op(OpKind.FN, j) for j in range(node.start + 1, node.stop)],
         *to_ops(node.rest, L),
         *to_ops(node.inner, L),
     ]
+
+
+__all__ = [
+    "Leaf", "Node", "Region", "RegionUnit", "Store", "StoreUnit", "Unit", "build", "parse", "shape", "shift", "to_ops",
+    "units",
+]

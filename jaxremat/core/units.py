@@ -1,4 +1,4 @@
-"""Byte sizes and budgets: parsing what users write, printing what people read."""
+"""Byte sizes: parsing what users write, printing what people read (budgets: :mod:`jaxremat.core.budgets`)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,13 @@ _UNITS = {
     "tib": 2**40,
 }
 
-_BUDGET_FORMS = (
+BUDGET_FORMS = (
     "an int of bytes (1_000_000), a string with a unit ('512MiB', '2GB', '1.5 GiB', "
     "'4096'; units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB) or a share of the store-all "
     "peak ('40%')"
 )
 
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -35,7 +34,7 @@ def parse_bytes(value: int | float | str) -> int:
     Fractional byte counts round down (a budget never grows by parsing).
     """
     if isinstance(value, bool):
-        raise ValueError(f"cannot read a byte size from {value!r}; expected {_BUDGET_FORMS}")
+        raise ValueError(f"cannot read a byte size from {value!r}; expected {BUDGET_FORMS}")
     if isinstance(value, Integral):
         n = int(value)
     elif isinstance(value, Real):
@@ -46,34 +45,15 @@ def parse_bytes(value: int | float | str) -> int:
         match = _NUMBER_UNIT.match(value)
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
-            raise ValueError(f"cannot read a byte size from {value!r}; expected {_BUDGET_FORMS}")
+            raise ValueError(f"cannot read a byte size from {value!r}; expected {BUDGET_FORMS}")
         n = int(math.floor(float(match.group(1)) * _UNITS[unit]))
     else:
         raise ValueError(
-            f"cannot read a byte size from {type(value).__name__} {value!r}; expected {_BUDGET_FORMS}"
+            f"cannot read a byte size from {type(value).__name__} {value!r}; expected {BUDGET_FORMS}"
         )
     if n < 0:
         raise ValueError(f"a byte size must be >= 0, got {value!r}")
     return n
-
-
-def parse_budget(budget: int | float | str, store_all_peak: int | None = None) -> int:
-    """Return a budget in bytes.
-
-    ``budget`` is an int of bytes, a string with a unit (``"512MiB"``, ``"2GB"``) or a share
-    of ``store_all_peak`` (``"40%"``).
-    """
-    if isinstance(budget, str):
-        match = _PERCENT.match(budget)
-        if match:
-            if store_all_peak is None:
-                raise ValueError(
-                    f"budget {budget!r} is a share of the store-all peak, which is not known here; "
-                    "give bytes instead"
-                )
-            share = float(match.group(1)) / 100.0
-            return int(math.floor(share * store_all_peak))
-    return parse_bytes(budget)
 
 
 def format_bytes(n: int | float) -> str:

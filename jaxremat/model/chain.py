@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -10,85 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxremat.repeat import BODY, Repeat
-
-Variables = dict[str, Any]
-ApplyFn = Callable[[Variables, Any, dict[str, jax.Array] | None], tuple[Any, Variables]]
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage ``a_{i+1} = apply(variables_i, a_i, rngs)``.
-
-    ``apply`` returns ``(output, updated_collections)`` (an empty dict when nothing is mutable).
-    ``init(rng, a)`` makes the stage's variables, or is ``None`` for stages built from plain
-    functions with their parameters given.
-    """
-
-    name: str
-    kind: str
-    apply: ApplyFn = field(repr=False)
-    init: Callable[[jax.Array, Any], Variables] | None = field(default=None, repr=False)
-    mutable: tuple[str, ...] = ()
-    rng_streams: tuple[str, ...] = ()
-    key: str = ""  # the stage's structure (module config or function code), for caching
-
-
-def _label(m: Any) -> str:
-    """A module's name if it has one, else its type; a function's name."""
-    name = getattr(m, "name", None)
-    if isinstance(name, str) and name:
-        return name
-    return getattr(m, "__name__", None) or type(m).__name__
-
-
-def _function_key(fn: Callable) -> str:
-    code = getattr(fn, "__code__", None)
-    body = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else repr(fn)
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}:{body}"
-
-
-def _linen_stage(name: str, module: Any, mutable: Sequence[str], rng_streams: Sequence[str]) -> Stage:
-    import flax.linen as nn
-
-    if not isinstance(module, nn.Module):  # a plain function inside nn.Sequential (nn.relu, ...)
-        fn = module
-        return Stage(
-            name, getattr(fn, "__name__", type(fn).__name__), lambda v, a, rngs: (fn(a), {}), key=_function_key(fn)
-        )
-
-    def apply(variables: Variables, a: Any, rngs: dict[str, jax.Array] | None) -> tuple[Any, Variables]:
-        if mutable:
-            return module.apply(variables, a, rngs=rngs, mutable=list(mutable))
-        return module.apply(variables, a, rngs=rngs), {}
-
-    def init(rng: jax.Array, a: Any) -> Variables:
-        rngs = {"params": rng, **{s: jax.random.fold_in(rng, k + 1) for k, s in enumerate(rng_streams)}}
-        return dict(module.init(rngs, a))
-
-    return Stage(
-        name, type(module).__name__, apply, init, tuple(mutable), tuple(rng_streams), key=f"linen:{module!r}"
-    )
-
-
-def _nnx_stage(name: str, module: Any) -> Stage:
-    from flax import nnx
-
-    if not isinstance(module, nnx.Module):  # a plain function inside nnx.Sequential (nnx.relu, ...)
-        return _linen_stage(name, module, (), ())
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-
-    def apply(variables: Variables, a: Any, rngs: dict[str, jax.Array] | None) -> tuple[Any, Variables]:
-        # fresh Variable objects at the current trace level, so the module may update them here
-        params_now, rest_now = jax.tree.map(lambda v: v, (variables["params"], variables["rest"]))
-        m = nnx.merge(graphdef, params_now, rest_now)
-        out = m(a)
-        return out, {"rest": nnx.split(m, nnx.Param, ...)[2]}
-
-    def init(rng: jax.Array, a: Any) -> Variables:
-        return {"params": params, "rest": rest}
-
-    return Stage(name, type(module).__name__, apply, init, ("rest",), (), key=f"nnx:{graphdef!r}")
+from jaxremat.model.identity import function_key
+from jaxremat.model.linen import label, linen_layers, linen_stage, repeat_stages
+from jaxremat.model.nnx import nnx_layers, nnx_stage
+from jaxremat.model.repeat import BODY, Repeat
+from jaxremat.model.stage import Rngs, Stage, Variables, any_rngs, stage_rngs
+from jaxremat.model.trees import check_leaves, describe
 
 
 @dataclass(frozen=True)
@@ -158,7 +84,7 @@ class Chain:
                     f"{i}:{getattr(f, '__name__', 'stage')}",
                     getattr(f, "__name__", "function"),
                     lambda v, a, rngs, f=f: (f(v["params"], a), {}),
-                    key=_function_key(f),
+                    key=function_key(f),
                 )
             )
         return cls(tuple(stages))
@@ -179,29 +105,16 @@ class Chain:
           mutable: collections the stages update (e.g. ``("batch_stats",)``).
           rng_streams: RNG streams the stages draw from (e.g. ``("dropout",)``).
         """
-        import flax.linen as nn
-
-        sequential = isinstance(modules, nn.Sequential)
-        layers = list(modules.layers) if sequential else list(modules) if isinstance(modules, (list, tuple)) else None
-        if layers is None:
-            raise ValueError(
-                f"Chain.from_linen expects a list of linen modules or an nn.Sequential, got {type(modules).__name__}"
-            )
-        if not layers:
-            raise ValueError("Chain.from_linen: the model has no layers; a chain needs at least one stage")
-
+        layers, sequential = linen_layers(modules)
         stages: list[Stage] = []
         stacked: list[Stacked] = []
         for k, m in enumerate(layers):
             if isinstance(m, Repeat):
-                init = _linen_stage(f"{k}:{_label(m)}", m, mutable, rng_streams).init
-                stacked.append(Stacked(k, len(stages), m.length, init))
-                stages += [
-                    _linen_stage(f"{len(stages) + j}:{_label(m)}[{j}]", m.block, mutable, rng_streams)
-                    for j in range(m.length)
-                ]
+                whole, copies = repeat_stages(k, len(stages), m, mutable, rng_streams)
+                stacked.append(Stacked(k, len(stages), m.length, whole.init))
+                stages += copies
             else:
-                stages.append(_linen_stage(f"{len(stages)}:{_label(m)}", m, mutable, rng_streams))
+                stages.append(linen_stage(f"{len(stages)}:{label(m)}", m, mutable, rng_streams))
         return cls(tuple(stages), sequential=sequential, stacked=tuple(stacked))
 
     @classmethod
@@ -212,16 +125,7 @@ class Chain:
         ``{"params": <nnx.Param state>, "rest": <every other state>}``; stages return their
         updated ``rest`` (batch statistics, RNG counters) like mutable linen collections.
         """
-        from flax import nnx
-
-        layers = list(modules.layers) if isinstance(modules, nnx.Sequential) else (
-            list(modules) if isinstance(modules, (list, tuple)) else None
-        )
-        if layers is None:
-            raise ValueError(f"Chain.from_nnx expects a list of NNX modules or an nnx.Sequential, got {type(modules).__name__}")
-        if not layers:
-            raise ValueError("Chain.from_nnx: the model has no layers; a chain needs at least one stage")
-        return cls(tuple(_nnx_stage(f"{i}:{_label(m)}", m) for i, m in enumerate(layers)))
+        return cls(tuple(nnx_stage(f"{i}:{label(m)}", m) for i, m in enumerate(nnx_layers(modules))))
 
     # -- variables -----------------------------------------------------------------------------
 
@@ -289,11 +193,11 @@ class Chain:
             v = init(jax.random.fold_in(rng, i), a) if init is not None else {}
             per_layer.append(v)
             if g is None:  # a Repeat's output has its input's shapes (the scan carry)
-                a = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, _any_rngs(st))[0], v, a)
+                a = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, any_rngs(st))[0], v, a)
                 a = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), a)
         return self.from_layer_variables(per_layer)
 
-    def apply(self, variables: Any, x: Any, rngs: dict[str, jax.Array] | None = None) -> Any:
+    def apply(self, variables: Any, x: Any, rngs: Rngs = None) -> Any:
         """The plain forward pass (no remat), for reference and tests."""
         a = x
         for i, (st, v) in enumerate(zip(self.stages, self.split(variables))):
@@ -306,7 +210,7 @@ class Chain:
         check_leaves(out[0], "the chain's input")
         for i, (st, v) in enumerate(zip(self.stages, self.split(variables))):
             try:
-                nxt = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, _any_rngs(st))[0], v, out[-1])
+                nxt = jax.eval_shape(lambda v, a, st=st: st.apply(v, a, any_rngs(st))[0], v, out[-1])
             except Exception as e:  # noqa: BLE001 - re-raised with the stage named
                 if "not a valid JAX type" in str(e):
                     raise ValueError(
@@ -324,31 +228,4 @@ class Chain:
         return out
 
 
-def _any_rngs(st: Stage) -> dict[str, jax.Array] | None:
-    """Keys for shape evaluation only (the values do not matter)."""
-    return {s: jax.random.key(0) for s in st.rng_streams} or None
-
-
-def stage_rngs(rngs: dict[str, jax.Array] | None, i: int) -> dict[str, jax.Array] | None:
-    """Stage ``i``'s keys: each stream folded with the stage index (the same on a recompute)."""
-    if not rngs:
-        return None
-    return {k: jax.random.fold_in(r, i) for k, r in rngs.items()}
-
-
-def check_leaves(tree: Any, what: str) -> None:
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise ValueError(
-                f"{what} has a non-array leaf at {jax.tree_util.keystr(path)}: {type(leaf).__name__}; "
-                "activations must be arrays or pytrees of arrays"
-            )
-
-
-def describe(tree: Any) -> str:
-    return str(jax.tree.map(lambda s: f"{np.dtype(s.dtype).name}{list(s.shape)}", tree))
-
-
-def tree_bytes(tree: Any) -> int:
-    """Bytes of every array leaf of ``tree`` (arrays or ShapeDtypeStructs)."""
-    return int(sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(tree)))
+__all__ = ["Chain", "Stacked"]

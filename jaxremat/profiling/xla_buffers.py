@@ -3,7 +3,7 @@
 XLA can dump, per compilation, its buffer assignment and the live range of every buffer over
 the scheduled instruction sequence. For a function ``forward -> optimization_barrier ->
 backward``, the buffers whose live range spans the barrier are exactly what the compiled
-program keeps from the forward for the backward (``COST_MODEL.md``'s ``xbar``), after fusion
+program keeps from the forward for the backward (``docs/cost_model.md``'s ``xbar``), after fusion
 decided what to store and what to recompute.
 """
 
@@ -18,8 +18,7 @@ from typing import Any, Callable, Collection, NamedTuple
 
 import jax
 
-# On the CPU, XLA removes optimisation barriers early unless this pass is off (DESIGN.md).
-REMAT_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+from jaxremat.core.compile import REMAT_OPTIONS
 
 _VALUE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (.*)$")
 _ALLOC = re.compile(r"^allocation \d+: size \d+(.*)$")
@@ -122,7 +121,7 @@ def transient_beyond_inputs(folder: str) -> int:
     shape counts until just before it: in a training step XLA writes that output over the dying
     buffer, which it may not do to an entry parameter compiled alone. Outputs do not count. The
     result is that peak minus the total size of the inputs, floored at zero: the ``bwd_tmp`` of
-    ``COST_MODEL.md`` for a backward compiled alone.
+    ``docs/cost_model.md`` for a backward compiled alone.
     """
     seq, ranges = _live_ranges(folder)
     position = {name: i for i, name in enumerate(seq)}

@@ -25,25 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jax_core
 
 Step = Callable[[Any, Any, Any, jax.Array], tuple[Any, Any]]
-
-# A mix of stored and checkpointed copies that repeats a pattern of at most this many copies runs
-# as a loop over the pattern instead (JAX's own autodiff of the scan keeps the stored copies'
-# residuals, and XLA fuses a checkpointed copy's recomputation into its backward: less memory,
-# but each copy of the pattern compiled); any other mix runs as a selective loop.
-PATTERN_LOOP_UP_TO = 4
-
-
-def runs_selective(stored: Sequence[bool]) -> bool:
-    """Whether copies stored (``True``) or checkpointed alone (``False``) run as a selective loop:
-    a mix of both that does not repeat a pattern of at most :data:`PATTERN_LOOP_UP_TO` copies."""
-    n = len(stored)
-    if len(set(stored)) < 2:
-        return False
-    stored = list(stored)
-    return not any(n % p == 0 and stored == stored[:p] * (n // p) for p in range(1, min(PATTERN_LOOP_UP_TO, n - 1) + 1))
-
 
 def _inexact(leaf: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
@@ -76,7 +60,7 @@ def _replay(fn: Callable, *example: Any) -> tuple[Callable, Any]:
     tree = jax.tree.structure(shapes)
 
     def replay(*args: Any) -> Any:
-        return tree.unflatten(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args)))
+        return tree.unflatten(jax_core.jaxpr_as_fun(closed)(*jax.tree.leaves(args)))
 
     return replay, shapes
 
@@ -229,4 +213,4 @@ def _fill(values: Sequence[Any], diff: Sequence[bool], like: Sequence[Any]) -> l
     return [next(it) if d else np.zeros(np.shape(leaf), jax.dtypes.float0) for leaf, d in zip(like, diff)]
 
 
-__all__ = ["PATTERN_LOOP_UP_TO", "runs_selective", "selective_scan"]
+__all__ = ["selective_scan"]

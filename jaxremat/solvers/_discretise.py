@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxremat.costs import ChainCosts
+from jaxremat.core.costs import ChainCosts
 
 
 @dataclass(frozen=True, eq=False)

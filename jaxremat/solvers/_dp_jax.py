@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxremat.solvers.discretise import SlotChain, forward_thresholds, forward_times
+from jaxremat.solvers._discretise import SlotChain, forward_thresholds, forward_times
 
 BS = 8  # start stages per block
 BK = 16  # split points per block

@@ -1,4 +1,4 @@
-"""A plain numpy transcription of the persistent DP of ``COST_MODEL.md``.
+"""A plain numpy transcription of the persistent DP of ``docs/cost_model.md``.
 
 Slow (Python loops over segments and splits) and written for reading: it is the reference the
 jitted table fill of :mod:`jaxremat.solvers.dp_jax` is tested against.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxremat.solvers.discretise import SlotChain
+from jaxremat.solvers._discretise import SlotChain
 
 
 def reference_table(c: SlotChain) -> dict[tuple[int, int], np.ndarray]:

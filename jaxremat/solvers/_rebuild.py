@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxremat.simulate import Op
+from jaxremat.core.ops import Op, OpKind
 
 TIE = 8 * float(np.finfo(np.float32).eps)
 
@@ -29,7 +29,7 @@ def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray]) -> list[Op]:
             continue
         _, s, t, m = item
         if s == t:
-            ops.extend([("Loss", L)] if s == L else [("Fall", s), ("B", s)])
+            ops.extend([Op(OpKind.LOSS, L)] if s == L else [Op(OpKind.FALL, s), Op(OpKind.B, s)])
             continue
         d = t - s
         best, choice = np.float32(np.inf), None
@@ -50,10 +50,10 @@ def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray]) -> list[Op]:
         if choice is None:
             raise AssertionError(f"DP table has no finite option at s={s}, t={t}, m={m}")
         if choice[0] == "store":
-            stack += [("op", ("B", s)), ("node", s + 1, t, m - int(xbar[s])), ("op", ("Fall", s))]
+            stack += [("op", Op(OpKind.B, s)), ("node", s + 1, t, m - int(xbar[s])), ("op", Op(OpKind.FALL, s))]
         else:
             j = choice[1]
-            fwd = [("Fck", s)] + [("Fn", i) for i in range(s + 1, j)]
+            fwd = [Op(OpKind.FCK, s)] + [Op(OpKind.FN, i) for i in range(s + 1, j)]
             stack += [("node", s, j - 1, m), ("node", j, t, m - int(x[j]))]
             stack += [("op", op) for op in reversed(fwd)]
     return ops

@@ -18,20 +18,20 @@ from functools import lru_cache
 
 import numpy as np
 
-from jaxremat.simulate import Op
+from jaxremat.core.ops import Op, OpKind, store_all_ops
 
 
 def _base(i: int, L: int) -> list[Op]:
-    return [("Loss", L)] if i == L else [("Fall", i), ("B", i)]
+    return [Op(OpKind.LOSS, L)] if i == L else [Op(OpKind.FALL, i), Op(OpKind.B, i)]
 
 
 def _advance(s: int, j: int) -> list[Op]:
     """From a held ``a_s`` to a standalone ``a_j`` (``s < j``), keeping ``a_s``."""
-    return [("Fck", s)] + [("Fn", i) for i in range(s + 1, j)]
+    return [Op(OpKind.FCK, s)] + [Op(OpKind.FN, i) for i in range(s + 1, j)]
 
 
 def store_all(L: int) -> list[Op]:
-    return [("Fall", i) for i in range(L)] + [("Loss", L)] + [("B", i) for i in reversed(range(L))]
+    return store_all_ops(L)
 
 
 def segments(L: int, starts: list[int]) -> list[Op]:
@@ -40,9 +40,9 @@ def segments(L: int, starts: list[int]) -> list[Op]:
     ops: list[Op] = []
     for b, e in zip(bounds, bounds[1:]):
         ops += _advance(b, e)
-    ops.append(("Loss", L))
+    ops.append(Op(OpKind.LOSS, L))
     for b, e in reversed(list(zip(bounds, bounds[1:]))):
-        ops += [("Fall", i) for i in range(b, e)] + [("B", i) for i in reversed(range(b, e))]
+        ops += [Op(OpKind.FALL, i) for i in range(b, e)] + [Op(OpKind.B, i) for i in reversed(range(b, e))]
     return ops
 
 

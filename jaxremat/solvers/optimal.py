@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxremat.costs import ChainCosts
-from jaxremat.schedule import InfeasibleBudget, Schedule
-from jaxremat.simulate import FORWARD_KINDS, Op
+from jaxremat.core.costs import ChainCosts
+from jaxremat.core.schedule import InfeasibleBudget, Schedule
+from jaxremat.core.ops import FORWARD_KINDS, Op
 from jaxremat.solvers import baselines
-from jaxremat.solvers.discretise import SlotChain, discretise, extend, least_memory
-from jaxremat.solvers.dp_jax import table
-from jaxremat.solvers.rebuild import rebuild_ops
+from jaxremat.solvers._discretise import SlotChain, discretise, extend, least_memory
+from jaxremat.solvers._dp_jax import table
+from jaxremat.solvers._rebuild import rebuild_ops
 
 
 def dp_ops(costs: ChainCosts, budget: int, slots: int) -> list[Op] | None:

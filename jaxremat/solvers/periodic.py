@@ -13,7 +13,7 @@ of them again), the other stages all stored or all checkpointed alone, each cand
 the simulator, the fastest within the budget kept. Patterns are few (dozens for ``max_period=4``), so this takes milliseconds.
 
 A *selective* schedule is not periodic but runs as one loop too: each copy stored or checkpointed
-alone, in any order (:func:`jaxremat.selective.selective_scan`, one block body to compile,
+alone, in any order (:func:`jaxremat.run.selective.selective_scan`, one block body to compile,
 where a pattern of ``p`` stages compiles ``p``; a backward iteration holds one copy's residuals
 more than a pattern loop, packed in a row). The search takes, per group, the one with the
 most stored copies that fits (stored copies first: the loop keeps every stored copy's residuals
@@ -22,22 +22,18 @@ until its backward loop ends, and this order is the one whose simulated peak say
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from jaxremat.costs import ChainCosts
-from jaxremat.schedule import Schedule
-from jaxremat.selective import PATTERN_LOOP_UP_TO, runs_selective
-from jaxremat.simulate import simulate
-from jaxremat.tree import Leaf, Node, Unit, build, to_ops
-
-MAX_PERIOD = PATTERN_LOOP_UP_TO
-STORE, REGION = ("store", 1), ("region", 1)
-
-Part = tuple[str, int]  # ("store", 1), ("region", k) with stored inside, ("nested", k) checkpointed inside
+from jaxremat.core.costs import ChainCosts
+from jaxremat.core.loops import (
+    MAX_PERIOD, REGION, STORE, LoopGroup, Part, as_pattern, compile_rank, loop_costs,
+)
+from jaxremat.core.schedule import Schedule
+from jaxremat.core.simulator import simulate
+from jaxremat.core.tree import Leaf, Node, RegionUnit, StoreUnit, Unit, build, to_ops
 
 
 def _compositions(p: int) -> Iterator[tuple[int, ...]]:
@@ -55,21 +51,20 @@ def _compositions(p: int) -> Iterator[tuple[int, ...]]:
 def patterns(p: int) -> Iterator[tuple[Part, ...]]:
     """Every pattern of ``p`` stages."""
     for sizes in _compositions(p):
-        options = [(("store", 1), ("region", 1)) if k == 1 else (("region", k), ("nested", k)) for k in sizes]
+        options = [(STORE, REGION) if k == 1 else (Part("region", k), Part("nested", k)) for k in sizes]
         yield from itertools.product(*options)
 
 
 def _unit(part: Part, s: int) -> Unit:
-    kind, k = part
-    if kind == "store":
-        return ("store", s)
-    inner_kind = "store" if kind == "region" else "nested"
-    inner = [("store", j) if inner_kind == "store" else ("region", j, j + 1, Leaf(j)) for j in range(s, s + k - 1)]
-    return ("region", s, s + k, build(inner, Leaf(s + k - 1)))
+    k = part.size
+    if part.kind == "store":
+        return StoreUnit(s)
+    inner: list[Unit] = [StoreUnit(j) if part.kind == "region" else RegionUnit(j, j + 1, Leaf(j)) for j in range(s, s + k - 1)]
+    return RegionUnit(s, s + k, build(inner, Leaf(s + k - 1)))
 
 
 def periodic_tree(
-    L: int, groups: Sequence[tuple[int, int]], pattern_of: dict[int, tuple[Part, ...]], outside: str = "store"
+    L: int, groups: Sequence[LoopGroup], pattern_of: dict[int, tuple[Part, ...]], outside: str = "store"
 ) -> Node:
     """The schedule tree with group ``(start, length)`` repeating ``pattern_of[start]`` and every
     stage outside the groups stored (``outside="store"``) or checkpointed alone (``"region"``)."""
@@ -78,13 +73,13 @@ def periodic_tree(
     i = 0
     while i < L:
         if i in starts:
-            pattern, end = pattern_of[i], i + starts[i]
+            pattern, end = as_pattern(pattern_of[i]), i + starts[i]
             while i < end:
                 for part in pattern:
                     spine.append(_unit(part, i))
-                    i += part[1]
+                    i += part.size
         else:
-            spine.append(_unit((outside, 1), i))
+            spine.append(_unit(Part(outside, 1), i))
             i += 1
     return build(spine, Leaf(L))
 
@@ -94,59 +89,7 @@ def selective(k: int, n: int) -> tuple[Part, ...]:
     return (STORE,) * k + (REGION,) * (n - k)
 
 
-def is_selective(pattern: Sequence[Part], n: int) -> bool:
-    """Whether a group of ``n`` stages repeating ``pattern`` runs as a selective loop (the
-    executor's test, :func:`~jaxremat.selective.runs_selective`)."""
-    if not all(part in (STORE, REGION) for part in pattern) or n % len(pattern):
-        return False
-    return runs_selective([part == STORE for part in pattern] * (n // len(pattern)))
-
-
-def compile_rank(pattern: Sequence[Part], n: int) -> float:
-    """How much loop body a group's schedule compiles, in blocks: 1 for a pattern of one stage, 2
-    for a selective loop (one block, its recomputation and the residual buffers), ``p + 0.5``
-    for a loop over a pattern of ``p`` stages."""
-    if is_selective(pattern, n):
-        return 2.0
-    p = sum(k for _, k in pattern)
-    return 1.0 if p == 1 else p + 0.5
-
-
-def loop_costs(
-    costs: ChainCosts, groups: Sequence[tuple[int, int]], pattern_of: dict[int, Sequence[Part]], param_bytes: Sequence[int]
-) -> ChainCosts:
-    """``costs`` with what a loop over a group adds to the transients.
-
-    Each iteration of the scan over a group with period ``p`` materialises its slice of the
-    stacked variables (``p`` stages' worth, ``w`` bytes each), and for ``p > 1`` cuts it into
-    the stages' variables again; the backward loop does the same and also gathers the slice's
-    gradient pieces before writing them into the stacked gradient. So a stage gets ``w`` more
-    forward and ``2 w`` more backward transient when ``p == 1``, ``2 p w`` and ``4 p w`` when
-    ``p > 1`` (read off XLA's buffer assignment of a 12-block transformer; without these the
-    prediction was up to 1.7x low for patterns of 4 stages).
-
-    A selective loop iterates one stage at a time (``w``, ``2 w``); a forward iteration reads the
-    row it writes (the masked write of a checkpointed copy) and a backward iteration holds one
-    copy's residuals packed in one row beside the unpacked ones: ``r = xbar - x_out`` more of
-    each (without them XLA's peak was up to 1.05x the prediction on 48 transformer blocks).
-    """
-    fwd_tmp, bwd_tmp = costs.fwd_tmp.copy(), costs.bwd_tmp.copy()
-    for s, n in groups:
-        pattern = pattern_of[s]
-        p = sum(k for _, k in pattern)
-        f, b = (1, 2) if p == 1 or is_selective(pattern, n) else (2 * p, 4 * p)
-        for i in range(s, s + n):
-            fwd_tmp[i] += f * int(param_bytes[i])
-            bwd_tmp[i] += b * int(param_bytes[i])
-        if is_selective(pattern, n):
-            r = max(int(costs.xbar[s]) - int(costs.x[s + 1]), 0)
-            for i in range(s, s + n):
-                fwd_tmp[i] += r
-                bwd_tmp[i] += r
-    return dataclasses.replace(costs, fwd_tmp=np.asarray(fwd_tmp), bwd_tmp=np.asarray(bwd_tmp))
-
-
-def _check_groups(L: int, groups: Sequence[tuple[int, int]]) -> None:
+def _check_groups(L: int, groups: Sequence[LoopGroup]) -> None:
     end = 0
     for s, n in sorted(groups):
         if s < end or n < 1 or s + n > L:
@@ -154,7 +97,7 @@ def _check_groups(L: int, groups: Sequence[tuple[int, int]]) -> None:
         end = s + n
 
 
-def _candidate(costs: ChainCosts, groups: Sequence[tuple[int, int]], trial: dict, outside: str, param_bytes: Sequence[int] | None):
+def _candidate(costs: ChainCosts, groups: Sequence[LoopGroup], trial: dict, outside: str, param_bytes: Sequence[int] | None):
     L = costs.length
     ops = to_ops(periodic_tree(L, groups, trial, outside), L)
     c = costs if param_bytes is None else loop_costs(costs, groups, trial, param_bytes)
@@ -168,7 +111,7 @@ COMPILE_TOLERANCE = 0.005
 def solve_periodic(
     costs: ChainCosts,
     budget: int,
-    groups: Sequence[tuple[int, int]],
+    groups: Sequence[LoopGroup],
     *,
     max_period: int = MAX_PERIOD,
     param_bytes: Sequence[int] | None = None,
@@ -233,7 +176,7 @@ def solve_periodic(
 
 def periodic_schedules(
     costs: ChainCosts,
-    groups: Sequence[tuple[int, int]],
+    groups: Sequence[LoopGroup],
     *,
     max_period: int = MAX_PERIOD,
     param_bytes: Sequence[int] | None = None,

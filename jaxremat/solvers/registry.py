@@ -1,57 +1,44 @@
-"""``solve``: from chain costs and a memory budget to a schedule; ``pareto``: the time-memory front."""
+"""The algorithms, by name: ``solve`` (chain costs and a budget to a schedule), ``min_budget``
+and ``pareto`` (the time-memory front). The one registry of names and aliases."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxremat.costs import ChainCosts
-from jaxremat.schedule import InfeasibleBudget, Schedule
+from jaxremat.core.budgets import Budget, budget_bytes, store_all_peak
+from jaxremat.core.costs import ChainCosts
+from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.solvers import baselines
 from jaxremat.solvers.optimal import optimal_min_budget, solve_optimal
-from jaxremat.units import parse_budget
-
-ALIASES = {"rotor": "optimal"}
-ALGORITHMS = ("optimal", "revolve", "sqrt", "every_stage", "store_all", "recompute_all")
-
-Budget = int | float | str | None
 
 
-def _check(costs: ChainCosts, algorithm: str, slots: int) -> str:
-    if not isinstance(costs, ChainCosts):
-        raise TypeError(f"expected ChainCosts, got {type(costs).__name__}; build one with jaxremat.ChainCosts(...)")
-    name = ALIASES.get(algorithm, algorithm)
-    if name not in ALGORITHMS:
-        known = ", ".join(repr(a) for a in ALGORITHMS + tuple(ALIASES))
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {known}")
-    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
-        raise ValueError(f"slots must be an int >= 1 (500 by default), got {slots!r}")
-    return name
+@dataclass(frozen=True)
+class Algorithm:
+    """A named way of making a schedule: ``solve(costs, budget_bytes, slots)`` (raises
+    :class:`~jaxremat.InfeasibleBudget` when nothing fits) and ``min_budget(costs, slots)``."""
+
+    name: str
+    solve: Callable[[ChainCosts, int, int], Schedule]
+    min_budget: Callable[[ChainCosts, int], int]
+    description: str
 
 
-def store_all_peak(costs: ChainCosts) -> int:
-    """Peak bytes of plain autodiff (every stage stored whole)."""
-    return Schedule.from_ops(costs, baselines.store_all(costs.length), budget=None, algorithm="store_all").peak
+def _fixed(name: str, description: str) -> Algorithm:
+    make = baselines.FIXED[name]
 
+    def schedule(costs: ChainCosts, budget: int | None) -> Schedule:
+        return Schedule.from_ops(costs, make(costs.length), budget=budget, algorithm=name)
 
-def budget_bytes(costs: ChainCosts, budget: Budget) -> int:
-    """A budget in bytes: ``None`` means the store-all peak, ``"40%"`` a share of it."""
-    if budget is None:
-        return store_all_peak(costs)
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        return parse_budget(budget, store_all_peak(costs))
-    return parse_budget(budget)
-
-
-def _fixed(name: str) -> Callable[[ChainCosts, int, int], Schedule]:
     def run(costs: ChainCosts, budget: int, slots: int) -> Schedule:
-        sched = Schedule.from_ops(costs, baselines.FIXED[name](costs.length), budget=budget, algorithm=name)
+        sched = schedule(costs, budget)
         if sched.peak > budget:
             raise InfeasibleBudget(name, budget, sched.peak)
         return sched
 
-    return run
+    return Algorithm(name, run, lambda costs, slots: schedule(costs, None).peak, description)
 
 
 def _revolve_schedule(costs: ChainCosts, snapshots: int, budget: int | None) -> Schedule:
@@ -76,11 +63,41 @@ def _revolve(costs: ChainCosts, budget: int, slots: int) -> Schedule:
     return floor
 
 
-_SOLVERS: dict[str, Callable[[ChainCosts, int, int], Schedule]] = {
-    "optimal": lambda costs, budget, slots: solve_optimal(costs, budget, slots),
-    "revolve": _revolve,
-    **{name: _fixed(name) for name in baselines.FIXED},
+REGISTRY: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("optimal", solve_optimal, optimal_min_budget,
+                  "the persistent dynamic program (Rotor's, store-all check corrected); never slower than a baseline"),
+        Algorithm("revolve", _revolve, lambda costs, slots: _revolve_schedule(costs, 0, None).peak,
+                  "binomial checkpointing with as many snapshots as fit"),
+        _fixed("sqrt", "about sqrt(L) evenly spaced checkpoints"),
+        _fixed("every_stage", "jax.checkpoint around every stage"),
+        _fixed("store_all", "plain autodiff"),
+        _fixed("recompute_all", "keep only the input; quadratic time, least memory"),
+    )
 }
+ALIASES = {"rotor": "optimal"}
+#: The algorithms' names (aliases in :data:`ALIASES`).
+ALGORITHMS = tuple(REGISTRY)
+
+
+def canonical(algorithm: str) -> str:
+    """The registered name of ``algorithm`` (an alias resolved); ``ValueError`` naming the
+    choices when it is unknown."""
+    name = ALIASES.get(algorithm, algorithm)
+    if name not in REGISTRY:
+        known = ", ".join(repr(a) for a in ALGORITHMS + tuple(ALIASES))
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {known}")
+    return name
+
+
+def _check(costs: ChainCosts, algorithm: str, slots: int) -> Algorithm:
+    if not isinstance(costs, ChainCosts):
+        raise TypeError(f"expected ChainCosts, got {type(costs).__name__}; build one with jaxremat.ChainCosts(...)")
+    found = REGISTRY[canonical(algorithm)]
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
+        raise ValueError(f"slots must be an int >= 1 (500 by default), got {slots!r}")
+    return found
 
 
 def solve(costs: ChainCosts, budget: Budget, *, algorithm: str = "optimal", slots: int = 500) -> Schedule:
@@ -100,29 +117,23 @@ def solve(costs: ChainCosts, budget: Budget, *, algorithm: str = "optimal", slot
     Raises:
       InfeasibleBudget: no schedule of this algorithm fits; ``.min_budget`` says what would.
     """
-    name = _check(costs, algorithm, slots)
-    b = budget_bytes(costs, budget)
-    sched = _SOLVERS[name](costs, b, int(slots))
-    if name != algorithm:
+    found = _check(costs, algorithm, slots)
+    sched = found.solve(costs, budget_bytes(costs, budget), int(slots))
+    if sched.algorithm != algorithm:  # asked by an alias: say so
         sched = Schedule(sched.ops, sched.time, sched.peak, sched.budget, algorithm, sched.costs, sched.note)
     return sched
 
 
 def min_budget(costs: ChainCosts, *, algorithm: str = "optimal", slots: int = 500) -> int:
     """Smallest budget in bytes for which ``solve(costs, budget, algorithm=...)`` succeeds."""
-    name = _check(costs, algorithm, slots)
-    if name == "optimal":
-        return optimal_min_budget(costs, int(slots))
-    if name == "revolve":
-        return _revolve_schedule(costs, 0, None).peak
-    return Schedule.from_ops(costs, baselines.FIXED[name](costs.length), budget=None, algorithm=name).peak
+    return _check(costs, algorithm, slots).min_budget(costs, int(slots))
 
 
 def pareto(
     costs: ChainCosts,
+    *,
     algorithm: str = "optimal",
     budgets: Sequence[Budget] | None = None,
-    *,
     slots: int = 500,
     points: int = 20,
 ) -> list[Schedule]:
@@ -147,4 +158,4 @@ def pareto(
     return front
 
 
-__all__ = ["ALGORITHMS", "budget_bytes", "min_budget", "pareto", "solve", "store_all_peak"]
+__all__ = ["ALGORITHMS", "ALIASES", "REGISTRY", "Algorithm", "canonical", "min_budget", "pareto", "solve"]

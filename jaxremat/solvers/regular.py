@@ -6,7 +6,7 @@ on 48 identical transformer blocks at 50% it picks regions of 2, 3, 2, 2, 2, 3, 
 executor runs a run of *adjacent* alike units as one ``lax.scan``, so an interleaved order costs
 a loop body per unit and compile time that grows with depth. :func:`regularise` groups alike
 units together (regions of the same size and inner tree, stored stages), trying the orders of
-the groups, and keeps a reordering only when the simulator (``COST_MODEL.md``) gives a peak no
+the groups, and keeps a reordering only when the simulator (``docs/cost_model.md``) gives a peak no
 higher and a time no longer than the schedule had: the result is never worse.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Hashable, Sequence
 
-from jaxremat.schedule import Schedule
-from jaxremat.simulate import simulate
-from jaxremat.tree import Node, Unit, build, parse, shape, shift, span, to_ops, units
+from jaxremat.core.schedule import Schedule
+from jaxremat.core.simulator import simulate
+from jaxremat.core.tree import Node, RegionUnit, Unit, build, parse, to_ops, units
 
 MAX_KINDS_PERMUTED = 4  # stretches with more kinds of units try a few orders, not all
 
@@ -31,19 +31,6 @@ def stage_classes(schedule: Schedule) -> list[tuple]:
     ]
 
 
-def _kind(u: Unit) -> tuple:
-    b, e = span(u)
-    return ("store",) if u[0] == "store" else ("region", e - b, shape(u[3], b))
-
-
-def _place(u: Unit, at: int) -> Unit:
-    """Unit ``u`` moved to start at stage ``at``."""
-    b, e = span(u)
-    if u[0] == "store":
-        return ("store", at)
-    return ("region", at, at + e - b, shift(u[3], at - b))
-
-
 def _orders(kinds: list[tuple], lengths: dict[tuple, int]) -> list[tuple[tuple, ...]]:
     if len(kinds) <= MAX_KINDS_PERMUTED:
         return list(itertools.permutations(kinds))
@@ -54,8 +41,7 @@ def _orders(kinds: list[tuple], lengths: dict[tuple, int]) -> list[tuple[tuple, 
 def _stretches(spine: list[Unit], classes: Sequence[Hashable]) -> list[tuple[int, int]]:
     """Maximal runs ``[i, j)`` of units whose stages all share one class."""
     def cls(u: Unit) -> Hashable | None:
-        b, e = span(u)
-        found = {classes[s] for s in range(b, e)}
+        found = {classes[s] for s in range(u.start, u.stop)}
         return found.pop() if len(found) == 1 else None
 
     out, i = [], 0
@@ -101,31 +87,31 @@ def regularise(schedule: Schedule, classes: Sequence[Hashable] | None = None) ->
         spine, leaf = units(node)
         spine = list(spine)
         for idx, u in enumerate(spine):  # inner trees first, so that equal regions become alike
-            if u[0] == "region":
+            if isinstance(u, RegionUnit):
                 def inside(sub: Node, idx: int = idx) -> Node:
                     v = spine[idx]
-                    return whole(build([*spine[:idx], (v[0], v[1], v[2], sub), *spine[idx + 1:]], leaf))
+                    return whole(build([*spine[:idx], RegionUnit(v.start, v.stop, sub), *spine[idx + 1:]], leaf))
 
-                spine[idx] = (u[0], u[1], u[2], visit(u[3], inside))
+                spine[idx] = RegionUnit(u.start, u.stop, visit(u.inner, inside))
         for i, j in _stretches(spine, classes):
             spine[i:j] = _group(spine[i:j], lambda run, i=i, j=j: whole(build([*spine[:i], *run, *spine[j:]], leaf)))
         return build(spine, leaf)
 
     def _group(run: list[Unit], whole_with: Callable[[list[Unit]], Node]) -> list[Unit]:
-        kinds = list(dict.fromkeys(_kind(u) for u in run))
+        kinds = list(dict.fromkeys(u.structure() for u in run))
         if len(kinds) < 2:
             return run
-        firsts = [_kind(u) for u in run]
+        firsts = [u.structure() for u in run]
         if all(firsts[k] == firsts[k - 1] or firsts[k] not in firsts[:k] for k in range(1, len(firsts))):
             return run  # already grouped
-        members = {k: [u for u in run if _kind(u) == k] for k in kinds}
-        lengths = {k: span(members[k][0])[1] - span(members[k][0])[0] for k in kinds}
+        members = {k: [u for u in run if u.structure() == k] for k in kinds}
+        lengths = {k: members[k][0].stop - members[k][0].start for k in kinds}
         chosen = run
         for order in _orders(kinds, lengths):
-            at, placed = span(run[0])[0], []
+            at, placed = run[0].start, []
             for k in order:
                 for u in members[k]:
-                    placed.append(_place(u, at))
+                    placed.append(u.moved(at))
                     at += lengths[k]
             if fits(whole_with(placed)):
                 chosen = placed

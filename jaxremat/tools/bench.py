@@ -8,10 +8,10 @@ from typing import Any
 
 import jax
 
-from jaxremat.chain import Chain
-from jaxremat.compare import Comparison, compare
-from jaxremat.profiler import profile
-from jaxremat.units import format_bytes
+from jaxremat.model.chain import Chain
+from jaxremat.tools.compare import Comparison, compare
+from jaxremat.profiling.profiler import profile
+from jaxremat.core.units import format_bytes
 
 NOISE = 0.03  # step-time differences below this share of the no-remat time are within noise here
 
@@ -147,7 +147,7 @@ def run(
     write_csv(cmp, out_dir / f"{name}.csv")
     png = None
     if plot:
-        from jaxremat.plots import plot_comparison
+        from jaxremat.tools.plots import plot_comparison
 
         png = plot_comparison(cmp, out_dir / f"{name}.png").name
     return cmp, markdown(cmp, png)

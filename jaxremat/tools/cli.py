@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from jaxremat.models import SAMPLES
+from jaxremat.tools.models import SAMPLES
 
 
 class UsageError(ValueError):
@@ -87,8 +87,8 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     import numpy as np
     from flax import nnx
 
-    from jaxremat.chain import Chain
-    from jaxremat.models import sample_input
+    from jaxremat.model.chain import Chain
+    from jaxremat.tools.models import sample_input
 
     model, shape, dtype = load_model(args.model)
     if args.input_shape:
@@ -116,36 +116,37 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    import jaxremat as jr
-    from jaxremat.profiler import profile_stages, report
-    from jaxremat.solvers import budget_bytes
+    from jaxremat.api.planner import plan
+    from jaxremat.core.budgets import budget_bytes
+    from jaxremat.core.schedule import InfeasibleBudget
+    from jaxremat.core.units import format_bytes
+    from jaxremat.profiling.profiler import profile_stages, report
+    from jaxremat.solvers import ALGORITHMS, solve
 
     _, chain, variables, x = prepare(args)
     costs, stages = profile_stages(chain, variables, x, method=args.method, quiet=args.quiet)
     budget = budget_bytes(costs, args.budget)
     print(report(stages), "\n")
-    schedule = jr.solve(costs, budget, algorithm=args.algorithm)
+    schedule = solve(costs, budget, algorithm=args.algorithm)
     print(schedule.summary(), "\n")
     print(f"{'algorithm':<14} {'predicted peak':>15} {'time over store-all':>20}")
-    for algorithm in jr.ALGORITHMS:
-        if algorithm == "rotor":
-            continue
+    for algorithm in ALGORITHMS:  # registered names only (aliases are not listed)
         try:
-            s = jr.solve(costs, budget, algorithm=algorithm)
-            print(f"{algorithm:<14} {jr.format_bytes(s.peak):>15} {s.overhead:>19.3f}x")
-        except jr.InfeasibleBudget as e:
-            print(f"{algorithm:<14} {'does not fit':>15} {'least ' + jr.format_bytes(e.min_budget):>20}")
+            s = solve(costs, budget, algorithm=algorithm)
+            print(f"{algorithm:<14} {format_bytes(s.peak):>15} {s.overhead:>19.3f}x")
+        except InfeasibleBudget as e:
+            print(f"{algorithm:<14} {'does not fit':>15} {'least ' + format_bytes(e.min_budget):>20}")
     if args.save:
-        jr.plan(chain, variables, x, budget, algorithm=args.algorithm, costs=costs).save(args.save)
+        plan(chain, variables, x, budget, algorithm=args.algorithm, costs=costs).save(args.save)
         print(f"\nplan saved to {args.save}")
     if args.plot:
-        from jaxremat.plots import plot_front
+        from jaxremat.tools.plots import plot_front
 
         print(f"Pareto front written to {plot_front(costs, args.plot)}")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from jaxremat import bench
+    from jaxremat.tools import bench
 
     model, chain, variables, x = prepare(args)
     out = Path(args.out)
@@ -158,7 +159,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from jaxremat.demo import run_demo
+    from jaxremat.tools.demo import run_demo
 
     model, chain, variables, x = prepare(args)
     run_demo(args.model, model, chain, variables, x, args.budget, steps=args.steps, method=args.method,
@@ -220,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from jaxremat.schedule import InfeasibleBudget
+    from jaxremat.core.schedule import InfeasibleBudget
 
     try:
         args.run(args)

@@ -27,12 +27,15 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from jaxremat.calibrate import calibrated_solve, compile_step, training_step
-from jaxremat.chain import Chain, stage_rngs, tree_bytes
-from jaxremat.costs import ChainCosts
-from jaxremat.executor import execute
-from jaxremat.schedule import InfeasibleBudget, Schedule
-from jaxremat.solvers import min_budget, solve, store_all_peak
+from jaxremat.api.calibrate import calibrated_solve, compile_step, training_step
+from jaxremat.model.chain import Chain
+from jaxremat.model.stage import stage_rngs
+from jaxremat.model.trees import tree_bytes
+from jaxremat.core.costs import ChainCosts
+from jaxremat.run.executor import execute
+from jaxremat.core.schedule import InfeasibleBudget, Schedule
+from jaxremat.core.budgets import store_all_peak
+from jaxremat.solvers import min_budget, solve
 
 Forward = Callable[[list, Any], Any]  # (per-stage variables, x) -> output
 

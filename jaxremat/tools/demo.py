@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxremat.chain import Chain
-from jaxremat.compare import compare
-from jaxremat.executor import execute, jit
-from jaxremat.plans import plan as make_plan
-from jaxremat.profiler import profile_stages, report
-from jaxremat.solvers import budget_bytes, store_all_peak
-from jaxremat.units import format_bytes
+from jaxremat.model.chain import Chain
+from jaxremat.tools.compare import compare
+from jaxremat.core.compile import jit
+from jaxremat.run.executor import execute
+from jaxremat.api.planner import plan as make_plan
+from jaxremat.profiling.profiler import profile_stages, report
+from jaxremat.core.budgets import budget_bytes, store_all_peak
+from jaxremat.core.units import format_bytes
 
 MANUAL = ("remat every block", "checkpoint whole chain", "policy dots_saveable")
 

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxremat.repeat import Repeat
+from jaxremat.model.repeat import Repeat
 
 
 # -- ResNet-style CNN -----------------------------------------------------------------------------

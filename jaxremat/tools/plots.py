@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from jaxremat.costs import ChainCosts
+from jaxremat.core.costs import ChainCosts
 from jaxremat.solvers import pareto
 
 if TYPE_CHECKING:
-    from jaxremat.compare import Comparison
+    from jaxremat.tools.compare import Comparison
 
 MIB = 2.0**20
 
@@ -30,7 +30,7 @@ def plot_front(costs: ChainCosts, path: str | Path, algorithms: Sequence[str] = 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for algorithm in algorithms:
-        front = pareto(costs, algorithm)
+        front = pareto(costs, algorithm=algorithm)
         if front:
             ax.plot([s.peak / MIB for s in front], [s.overhead for s in front], "-o", ms=3, label=algorithm)
     ax.set_xlabel("predicted peak activation memory (MiB)")

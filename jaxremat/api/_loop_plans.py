@@ -1,0 +1,85 @@
+"""Plans for chains with ``Repeat`` layers: the fastest schedule that runs each as one loop."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+from jaxremat.api.calibrate import calibrated_pick, step_temp
+from jaxremat.core.budgets import Budget, budget_bytes
+from jaxremat.core.costs import ChainCosts
+from jaxremat.core.loops import MAX_PERIOD, LoopGroup, copy_costs
+from jaxremat.core.schedule import InfeasibleBudget, Schedule
+from jaxremat.core.simulator import simulate
+from jaxremat.core.units import format_bytes
+from jaxremat.model.chain import Chain
+from jaxremat.model.identity import stage_identity
+from jaxremat.model.trees import tree_bytes
+from jaxremat.solvers import solve
+from jaxremat.solvers.periodic import periodic_schedules, solve_periodic
+from jaxremat.solvers.regular import regularise, stage_classes
+
+
+def loop_groups(chain: Chain) -> list[LoopGroup]:
+    return [LoopGroup(g.start, g.length) for g in chain.stacked]
+
+
+def param_bytes(chain: Chain, variables: Any) -> list[int]:
+    return [tree_bytes(v) for v in chain.stage_shapes(variables)]
+
+
+def loop_schedule(chain: Chain, variables: Any, costs: ChainCosts, budget: Budget, slots: int, max_period: int) -> Schedule:
+    """The fastest schedule that runs each Repeat layer as one loop over its stacked variables,
+    with the loop's transients counted. When none fits, the optimal schedule with alike units
+    grouped and the copies of the sliced parameters counted (the executor then warns);
+    ``InfeasibleBudget`` when that does not fit either."""
+    groups, weights = loop_groups(chain), param_bytes(chain, variables)
+    target = budget_bytes(costs, budget)
+    found = solve_periodic(costs, target, groups, max_period=max_period, param_bytes=weights)
+    if found is not None:
+        return found
+    try:
+        best = solve(copy_costs(costs, groups, weights), target, slots=slots)
+    except InfeasibleBudget as e:
+        least_loop = least_loop_peak(costs, groups, weights)
+        raise InfeasibleBudget(
+            "optimal", target, min(least_loop, e.min_budget),
+            note=f"a Repeat layer runs as one loop from {format_bytes(least_loop)}; below that its stacked "
+            "parameters would be sliced, which copies them",
+        ) from None
+    ids = [stage_identity(st, v) for st, v in zip(chain.stages, chain.stage_shapes(variables))]
+    return regularise(best, list(zip(ids, stage_classes(best))))
+
+
+def calibrated_loop_schedule(
+    chain: Chain, variables: Any, sample: Any, costs: ChainCosts, budget: Budget, max_period: int
+) -> Schedule | None:
+    """The fastest loop schedule whose step, compiled by XLA, fits the budget (fastest candidates
+    first, skipping those whose plain prediction is above the budget by more than XLA was seen to
+    save; a few compilations); ``None`` when none tried fits."""
+    candidates = loop_schedules(costs, loop_groups(chain), param_bytes(chain, variables), max_period)
+    measure = functools.partial(step_temp, chain, variables, sample)
+    found = calibrated_pick(
+        candidates, budget_bytes(costs, budget), measure, optimistic=lambda s: int(0.85 * simulate(costs, s.ops)[0])
+    )
+    return None if found is None else found.schedule
+
+
+def loop_schedules(costs: ChainCosts, groups: list[LoopGroup], weights: list[int], max_period: int, steps: int = 16) -> list[Schedule]:
+    """:func:`~jaxremat.solvers.periodic.periodic_schedules`, with shorter patterns and fewer
+    selective loops when several Repeat layers make too many combinations."""
+    for period, k in ((max_period, steps), (min(max_period, 2), 4), (1, 1)):
+        try:
+            return periodic_schedules(costs, groups, max_period=period, param_bytes=weights, selective_steps=k)
+        except ValueError:  # too many combinations over several layers
+            continue
+    return periodic_schedules(costs, groups, max_period=1, param_bytes=weights, selective_steps=1, limit=10**9)
+
+
+def least_loop_peak(costs: ChainCosts, groups: list[LoopGroup], weights: list[int]) -> int:
+    """The lowest peak of a schedule that runs every Repeat layer as one loop."""
+    return min(s.peak for s in loop_schedules(costs, groups, weights, MAX_PERIOD, steps=1))
+
+
+__all__ = ["calibrated_loop_schedule", "least_loop_peak", "loop_schedule", "loop_schedules"]

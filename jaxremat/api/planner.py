@@ -1,0 +1,120 @@
+"""The planner behind :func:`~jaxremat.remat_chain` and :func:`~jaxremat.remat_nnx`, and
+:func:`jaxremat.plan`."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+
+from jaxremat.api.plans import Plan, PlanOptions, make_plan, signature
+from jaxremat.core.budgets import Budget
+from jaxremat.core.costs import ChainCosts
+from jaxremat.model.chain import Chain
+
+
+class Planner:
+    """Plans for one budget, by signature (stage structure, variable and input shapes).
+
+    A plan is made on first use for a signature (also while the caller's step is traced: only
+    shapes are needed), profiles are kept per signature, so another budget
+    (:meth:`with_budget`) solves again without profiling.
+    """
+
+    def __init__(self, budget: Budget, options: PlanOptions, costs: dict[str, ChainCosts] | None = None):
+        self.budget, self.options = budget, options
+        self.costs: dict[str, ChainCosts] = {} if costs is None else costs  # shared across budgets
+        self.plans: dict[str, Plan] = {}
+
+    def with_budget(self, budget: Budget) -> "Planner":
+        """A planner for ``budget`` that shares this one's profiles."""
+        return Planner(budget, self.options, self.costs)
+
+    def add(self, plan: Plan) -> None:
+        """Use ``plan`` for its signature (a plan loaded from a file)."""
+        self.plans[plan.signature] = plan
+
+    def plan(self, chain: Chain, variables: Any, sample: Any) -> Plan:
+        key = signature(chain, variables, sample)
+        if key not in self.plans:
+            with jax.ensure_compile_time_eval():  # may run while the caller's step is traced
+                p = make_plan(chain, variables, sample, self.budget, self.options, self.costs.get(key))
+            self.costs[key], self.plans[key] = p.costs, p
+        return self.plans[key]
+
+
+def plan_options(method: str | None = None, profile: str | None = None, **options: Any) -> PlanOptions:
+    """:class:`PlanOptions` from keyword arguments; ``profile=`` is the old name of ``method=``."""
+    if profile is not None:
+        warnings.warn("jaxremat: profile= is now method= (the same name as in jaxremat.profile and the CLI)",
+                      DeprecationWarning, stacklevel=3)
+        if method is not None and method != profile:
+            raise ValueError(f"method={method!r} and profile={profile!r} disagree; give method= only")
+        method = profile
+    unknown = sorted(set(options) - {"algorithm", "slots", "calibrate", "max_period", "profile_options"})
+    if unknown:
+        raise TypeError(
+            f"unknown option(s) {', '.join(unknown)}; the options are algorithm, method, slots, calibrate, max_period"
+        )
+    return PlanOptions(method=method or "measure", **options)
+
+
+_UNSET: Any = object()
+
+
+def plan(
+    model: Any,
+    variables: Any,
+    sample: Any,
+    budget: Budget = _UNSET,
+    *,
+    costs: ChainCosts | None = None,
+    **options: Any,
+) -> Plan:
+    """The plan for ``model`` on inputs shaped like ``sample``.
+
+    Args:
+      model: a :class:`~jaxremat.Chain`, a linen ``nn.Sequential`` or list of modules, or a
+        model from :func:`~jaxremat.remat_chain` (whose own budget and options are used unless
+        ``budget`` is given).
+      variables: the model's variables (``model.init(...)``).
+      sample: an input (or ``jax.ShapeDtypeStruct``) of the shape the step will see.
+      budget: bytes, ``"512MiB"``, a share of the store-all peak (``"40%"``), or ``None`` for
+        the store-all peak; required unless ``model`` has its own.
+      costs: the chain's costs, when already profiled (no profiling then).
+      options: ``algorithm``, ``method``, ``slots``, ``calibrate``, ``max_period``
+        (:class:`~jaxremat.api.plans.PlanOptions`); other keywords go to
+        :func:`jaxremat.profile` (``cache``, ``repeats``, ``quiet``, ``rates``).
+
+    With ``calibrate=True``, XLA measures the compiled step of each candidate schedule and the
+    budget is corrected until the measured peak fits, so the plan's memory is what XLA uses.
+    A chain with :class:`~jaxremat.Repeat` layers gets, for ``algorithm="optimal"``, the
+    fastest schedule that runs each of them as one loop over its stacked parameters: each copy
+    stored or checkpointed alone, in any mix (a selective loop: one block body to compile), or a
+    pattern of up to ``max_period`` stages repeated; of those within 0.5% of the fastest, the one
+    that compiles least.
+    """
+    planner = getattr(model, "planner", None)
+    if isinstance(planner, Planner) and isinstance(getattr(model, "chain", None), Chain):  # a wrapped model
+        if options:
+            raise TypeError(f"a wrapped model plans with its own options; got {', '.join(sorted(options))}")
+        planner = planner if budget is _UNSET else planner.with_budget(budget)
+        if costs is not None:
+            planner.costs[signature(model.chain, variables, sample)] = costs
+        return planner.plan(model.chain, variables, sample)
+    if budget is _UNSET:
+        raise TypeError(
+            "jaxremat.plan needs a budget for this model (bytes, '512MiB', '40%', or None for the store-all "
+            "peak); only a model from jaxremat.remat_chain(budget) has its own"
+        )
+    chain = model if isinstance(model, Chain) else Chain.from_linen(model)
+    known = {"algorithm", "method", "slots", "calibrate", "max_period", "profile"}
+    profile_options = {k: v for k, v in options.items() if k not in known}
+    return make_plan(
+        chain, variables, sample, budget,
+        plan_options(**{k: v for k, v in options.items() if k in known}, profile_options=profile_options), costs,
+    )
+
+
+__all__ = ["Planner", "plan", "plan_options"]

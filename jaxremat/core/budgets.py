@@ -1,0 +1,68 @@
+"""Budgets: what a user may write for a memory budget, and what it means in bytes.
+
+A budget is an int of bytes, a string with a unit (``"512MiB"``, ``"2GB"``), or a share of the
+*store-all peak* (``"40%"``): the peak activation memory of plain autodiff, the chain's input
+``a_0`` included, parameters and optimizer state not. ``None`` means the store-all peak itself.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Union
+
+from jaxremat.core.costs import ChainCosts
+from jaxremat.core.ops import store_all_ops
+from jaxremat.core.simulator import simulate
+from jaxremat.core.units import BUDGET_FORMS, parse_bytes
+
+#: What a budget may be: bytes, a string with a unit or a share (``"40%"``), or ``None``.
+Budget = Union[int, float, str, None]
+
+_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+
+
+def store_all_peak(costs: ChainCosts) -> int:
+    """Peak bytes of plain autodiff (every stage stored whole), ``a_0`` included."""
+    return simulate(costs, store_all_ops(costs.length))[0]
+
+
+def is_share(budget: Budget) -> bool:
+    """Whether ``budget`` is a share of the store-all peak (``"40%"``)."""
+    return isinstance(budget, str) and _PERCENT.match(budget) is not None
+
+
+def parse_budget(budget: Budget, reference: int | ChainCosts | None = None) -> int:
+    """A budget in bytes.
+
+    Args:
+      budget: an int of bytes, a string with a unit (``"512MiB"``, ``"2GB"``) or a share of the
+        store-all peak (``"40%"``); ``None`` is the store-all peak.
+      reference: what a share or ``None`` is taken of: the store-all peak in bytes, or the
+        chain's :class:`~jaxremat.ChainCosts` (whose store-all peak is computed).
+
+    Raises:
+      ValueError: the budget cannot be read, or it is a share (or ``None``) and no reference
+        was given.
+    """
+    if budget is None or is_share(budget):
+        if reference is None:
+            raise ValueError(
+                f"budget {budget!r} is a share of the store-all peak, which is not known here: pass the chain's "
+                "costs or that peak in bytes as the reference (parse_budget(budget, costs)), or give bytes "
+                "('512MiB', 2**30)"
+            )
+        peak = store_all_peak(reference) if isinstance(reference, ChainCosts) else int(reference)
+        if budget is None:
+            return peak
+        share = float(_PERCENT.match(budget).group(1)) / 100.0
+        return int(math.floor(share * peak))
+    return parse_bytes(budget)
+
+
+def budget_bytes(costs: ChainCosts, budget: Budget) -> int:
+    """``budget`` in bytes for the chain of ``costs`` (shares and ``None`` of its store-all peak)."""
+    return parse_budget(budget, costs)
+
+
+__all__ = ["BUDGET_FORMS", "Budget", "budget_bytes", "is_share", "parse_budget", "store_all_peak"]

@@ -1,0 +1,114 @@
+"""Compiling a rematerialised step so that XLA keeps the remat: the CPU option and ``jaxremat.jit``.
+
+XLA:CPU removes optimisation barriers early (pass ``cse_barrier_expander``) and CSE then merges a
+recomputation back into the forward pass, so on the CPU ``jax.checkpoint`` and jaxremat's
+regions change neither flops nor memory unless that pass is disabled. Other backends keep the
+barriers until after scheduling and need nothing.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import os
+import sys
+import warnings
+from typing import Any, Callable
+
+import jax
+
+PASS = "cse_barrier_expander"
+#: The XLA option that keeps remat real on the CPU (for ``Lowered.compile`` or ``jax.jit``).
+REMAT_OPTIONS = {"xla_disable_hlo_passes": PASS}
+
+# Set while jaxremat.jit (or as_planned) traces a function: the step will be compiled with the option.
+_UNDER_PLANNED_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxremat_planned", default=False)
+
+
+def compiler_options() -> dict[str, str]:
+    """XLA options that keep remat real on this backend: ``cse_barrier_expander`` off on the CPU,
+    none elsewhere. Pass them to ``jax.jit(..., compiler_options=...)`` or ``Lowered.compile``."""
+    return dict(REMAT_OPTIONS) if jax.default_backend() == "cpu" else {}
+
+
+def as_planned(fn: Callable) -> Callable:
+    """``fn``, traced as a step that will be compiled with :func:`compiler_options` (so it does
+    not warn). For code that compiles with the options itself
+    (``jax.jit(as_planned(step)).lower(...).compile(compiler_options())``)."""
+
+    @functools.wraps(fn)
+    def traced(*args: Any, **kw: Any) -> Any:
+        token = _UNDER_PLANNED_TRACE.set(True)
+        try:
+            return fn(*args, **kw)
+        finally:
+            _UNDER_PLANNED_TRACE.reset(token)
+
+    return traced
+
+
+def jit(fn: Callable, **kwargs: Any) -> Callable:
+    """``jax.jit`` with :func:`compiler_options` (so a rematerialised step is compiled as
+    planned); other keyword arguments, ``compiler_options`` included, go to ``jax.jit``."""
+    options = {**compiler_options(), **(kwargs.pop("compiler_options", None) or {})}
+    return jax.jit(as_planned(fn), compiler_options=options or None, **kwargs)
+
+
+def _disables_pass(value: Any) -> bool:
+    return PASS in str(value).split(",")
+
+
+def _in_xla_flags() -> bool:
+    """``XLA_FLAGS`` disables the pass for every compilation of the process."""
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name.lstrip("-") == "xla_disable_hlo_passes" and _disables_pass(value):
+            return True
+    return False
+
+
+def _in_enclosing_jit() -> bool:
+    """An enclosing ``jax.jit(..., compiler_options=...)`` being traced disables the pass.
+
+    ``jax.jit`` does not expose its options to the function it traces; while it traces, its
+    parameters (an object with ``compiler_options_kvs``) sit in a frame of JAX's own tracing
+    code, so look for them up the stack. Best effort: when JAX changes this, the only effect is
+    a warning that was not needed.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        for value in frame.f_locals.values():
+            kvs = getattr(value, "compiler_options_kvs", None)
+            if isinstance(kvs, tuple) and any(
+                isinstance(kv, tuple) and len(kv) == 2 and kv[0] == "xla_disable_hlo_passes" and _disables_pass(kv[1])
+                for kv in kvs
+            ):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def remat_is_kept() -> bool:
+    """Whether the step being traced now will be compiled so that XLA keeps its remat."""
+    return (
+        jax.default_backend() != "cpu" or _UNDER_PLANNED_TRACE.get() or _in_xla_flags() or _in_enclosing_jit()
+    )
+
+
+def warn_unless_planned(stacklevel: int = 3) -> None:
+    """Warn when a rematerialised step is traced on the CPU without the option in effect.
+
+    The warning names three ways that work; Python's warning filter shows it once per place.
+    """
+    if remat_is_kept():
+        return
+    warnings.warn(
+        "jaxremat: on the CPU, XLA undoes rematerialisation unless the step is compiled with "
+        f"{PASS} disabled; compile the step with jaxremat.jit(step), or "
+        "jax.jit(step, compiler_options=jaxremat.compiler_options()), or set "
+        f"XLA_FLAGS=--xla_disable_hlo_passes={PASS} before JAX starts, to get the planned memory",
+        stacklevel=stacklevel,
+    )
+
+
+__all__ = ["REMAT_OPTIONS", "as_planned", "compiler_options", "jit", "remat_is_kept", "warn_unless_planned"]

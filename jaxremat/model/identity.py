@@ -1,0 +1,46 @@
+"""A stage's identity: what makes two stages compute the same function on the same shapes.
+
+One definition for everything that asks: the profiler measures identical stages once and caches
+them on disk by it, a plan is checked against the model by it, the executor runs alike stages
+in one loop by it, and the regulariser only swaps stages that share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxremat.model.stage import Stage
+
+
+def function_key(fn: Callable) -> str:
+    """A plain function's structure: its qualified name and a hash of its code and constants."""
+    code = getattr(fn, "__code__", None)
+    body = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else repr(fn)
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}:{body}"
+
+
+def leaf_signature(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
+    """Per array leaf of ``tree``: its path, shape and dtype."""
+    return [
+        (jax.tree_util.keystr(path), tuple(int(d) for d in np.shape(leaf)), str(np.dtype(leaf.dtype)))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    ]
+
+
+def stage_identity(stage: Stage, variables: Any, inputs: Any = None) -> str:
+    """The identity of ``stage`` with variables shaped like ``variables`` (and, when given,
+    inputs shaped like ``inputs``), as text. Two stages with equal identities compute the same
+    function of their variables and input; a stage without a ``key`` is only equal to itself
+    (its name is part of its identity)."""
+    parts: list[Any] = [stage.key or f"unkeyed:{stage.kind}:{stage.name}", leaf_signature(variables)]
+    if inputs is not None:
+        parts.append(leaf_signature(inputs))
+    return json.dumps(parts)
+
+
+__all__ = ["function_key", "leaf_signature", "stage_identity"]

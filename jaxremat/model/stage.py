@@ -1,0 +1,47 @@
+"""One stage of a chain: ``a_{i+1} = apply(variables_i, a_i, rngs)``, and the keys it draws from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+
+Variables = dict[str, Any]
+Rngs = dict[str, jax.Array] | None
+ApplyFn = Callable[[Variables, Any, Rngs], tuple[Any, Variables]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage ``a_{i+1} = apply(variables_i, a_i, rngs)``.
+
+    ``apply`` returns ``(output, updated_collections)`` (an empty dict when nothing is mutable).
+    ``init(rng, a)`` makes the stage's variables, or is ``None`` for stages built from plain
+    functions with their parameters given. ``key`` is the stage's structure (module config or
+    function code): stages with equal keys and equal variable shapes compute the same function
+    (:func:`jaxremat.model.identity.stage_identity`); ``""`` means never equal to another.
+    """
+
+    name: str
+    kind: str
+    apply: ApplyFn = field(repr=False)
+    init: Callable[[jax.Array, Any], Variables] | None = field(default=None, repr=False)
+    mutable: tuple[str, ...] = ()
+    rng_streams: tuple[str, ...] = ()
+    key: str = ""
+
+
+def stage_rngs(rngs: Rngs, i: int) -> Rngs:
+    """Stage ``i``'s keys: each stream folded with the stage index (the same on a recompute)."""
+    if not rngs:
+        return None
+    return {k: jax.random.fold_in(r, i) for k, r in rngs.items()}
+
+
+def any_rngs(stage: Stage) -> Rngs:
+    """Keys for shape evaluation only (the values do not matter)."""
+    return {s: jax.random.key(0) for s in stage.rng_streams} or None
+
+
+__all__ = ["ApplyFn", "Rngs", "Stage", "Variables", "any_rngs", "stage_rngs"]

@@ -1,0 +1,46 @@
+"""A checkpoint region whose recomputation waits for the backward pass to reach it."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from jax import lax
+
+RegionBody = Callable[[dict, dict, Any], tuple[Any, dict]]
+
+
+def tied_checkpoint(body: RegionBody) -> Callable[..., tuple[Any, dict]]:
+    """``body(variables, keys, a) -> (out, updates)`` keeping only its inputs for the backward
+    pass, where it is recomputed once the output's cotangent has arrived.
+
+    ``jax.checkpoint``'s recomputation depends only on the saved input, so XLA may schedule it
+    as early as it likes (before later stages' backward has freed their memory); here the saved
+    inputs and the incoming cotangent pass one optimisation barrier together, so the
+    recomputation cannot start before the backward pass reaches this region.
+
+    The output passes an optimisation barrier too, so that it is materialised: otherwise XLA
+    fuses the region's element-wise tail (say a residual block's ``relu(x + h)``) into every
+    consumer and keeps the region's internals alive instead of its output, which the plan
+    recomputes (measured on a ResNet-style chain: 1.08x the planned memory).
+    """
+
+    @jax.custom_vjp
+    def region(owned: dict, keys: dict, a: Any) -> tuple[Any, dict]:
+        out, updates = body(owned, keys, a)
+        return lax.optimization_barrier(out), updates
+
+    def fwd(owned: dict, keys: dict, a: Any) -> tuple[tuple[Any, dict], tuple]:
+        return region(owned, keys, a), (owned, keys, a)
+
+    def bwd(res: tuple, g: tuple[Any, Any]) -> tuple:
+        owned, keys, a, g_out = lax.optimization_barrier((*res, g[0]))
+        _, pull = jax.vjp(lambda owned, a: body(owned, keys, a)[0], owned, a)
+        d_owned, d_a = pull(g_out)
+        return d_owned, None, d_a
+
+    region.defvjp(fwd, bwd)
+    return region
+
+
+__all__ = ["tied_checkpoint"]

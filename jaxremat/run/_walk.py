@@ -1,0 +1,147 @@
+"""The walk over a schedule tree that runs its stages: stored stages plainly, regions as tied
+checkpoints, loops and stacked runs by their scans."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxremat.core.compile import warn_unless_planned
+from jaxremat.core.tree import Node, StoreUnit, Unit, units
+from jaxremat.model.chain import Chain
+from jaxremat.model.stage import Rngs, stage_rngs
+from jaxremat.run._regions import tied_checkpoint
+from jaxremat.run._scans import run_selective, scan_units
+from jaxremat.run._variables import Cut, Env, unstack
+from jaxremat.run.loop_plan import Alike, LoopPlan, PatternLoop, SelectiveLoop, Stretch
+
+
+class Walker:
+    """Runs one call's stages: ``cut`` holds its variables as the ``loops`` plan runs them.
+
+    ``scan=True`` also stacks the variables of runs of alike separate stages (a copy inside the
+    step); ``None`` and ``False`` do not.
+    """
+
+    def __init__(self, chain: Chain, rngs: Rngs, cut: Cut, loops: LoopPlan, alike: Alike, scan: bool | None):
+        self.chain, self.rngs, self.cut, self.loops, self.alike, self.scan = chain, rngs, cut, loops, alike, scan
+        self.L = len(chain)
+
+    # -- one stage, one unit ---------------------------------------------------------------------
+
+    def variables(self, i: int, env: Env | None) -> Any:
+        return env.variables.get(i, self.cut.per_stage.get(i)) if env is not None else self.cut.per_stage[i]
+
+    def keys(self, i: int, env: Env | None) -> Rngs:
+        if env is not None and env.keys and i in env.keys:
+            return env.keys[i]
+        return stage_rngs(self.rngs, i + (env.offset if env is not None else 0))
+
+    def stage(self, i: int, a: Any, updates: dict, env: Env | None) -> Any:
+        out, new = self.chain.stages[i].apply(self.variables(i, env), a, self.keys(i, env))
+        if new:
+            updates[i] = new
+        return out
+
+    def unit(self, unit: Unit, a: Any, updates: dict, env: Env | None) -> Any:
+        if isinstance(unit, StoreUnit):
+            return self.stage(unit.stage, a, updates, env)
+        # everything the region reads is an explicit input (no closure over traced values), so
+        # that its recomputation can run in the backward pass, after the cotangent arrives
+        span = range(unit.start, unit.stop)
+        owned = {i: self.variables(i, env) for i in span}
+        owned_keys = {i: self.keys(i, env) for i in span}
+
+        def body(owned: dict, owned_keys: dict, a: Any) -> tuple[Any, dict]:
+            local: dict = {}
+            return self.run(unit.inner, unit.stop, a, local, Env(owned, 0, owned_keys)), local
+
+        warn_unless_planned(stacklevel=6)
+        a, local = tied_checkpoint(body)(owned, owned_keys, a)
+        updates.update(local)
+        return a
+
+    # -- trees -------------------------------------------------------------------------------------
+
+    def run(self, node: Node, stop: int, a: Any, updates: dict, env: Env | None = None) -> Any:
+        """Apply the stages of ``node`` below ``stop`` (the loss is not a stage). Loops only at
+        the top level (``env is None``); inside a region its variables are explicit inputs."""
+        spine, leaf = units(node)
+        if env is None:
+            a = self.top(a, updates)
+        else:
+            for unit in spine:
+                a = self.unit(unit, a, updates, env)
+        if leaf.stage < min(self.L, stop):
+            a = self.stage(leaf.stage, a, updates, env)
+        return a
+
+    def top(self, a: Any, updates: dict) -> Any:
+        """The top-level units, segment by segment."""
+        for seg in self.loops.segments:
+            if isinstance(seg, SelectiveLoop):
+                warn_unless_planned(stacklevel=5)
+                a = run_selective(self.chain.stages[seg.start], seg.start, seg.stored, a, updates,
+                                  self.cut.pieces[seg.start], self.rngs)
+            elif isinstance(seg, PatternLoop):
+                a = self.pattern_loop(seg, a, updates)
+            else:
+                a = self.stretch(seg, a, updates)
+        return a
+
+    def pattern_loop(self, loop: PatternLoop, a: Any, updates: dict) -> Any:
+        """``loop.repeats`` repeats of its pattern as one scan over the Repeat's variables
+        reshaped to ``(n, p, ...)`` (``(n, ...)`` when ``p == 1``)."""
+        p = loop.period
+        views = (lambda P: [P]) if p == 1 else (lambda P: unstack(P, p))
+        return scan_units(self.apply_all(loop.pattern), loop.start, p, loop.repeats, a, updates,
+                          self.cut.pieces[loop.start], views, cut_in_checkpoint=p > 1)
+
+    def stretch(self, stretch: Stretch, a: Any, updates: dict) -> Any:
+        """Units between loops: runs of alike units over a Repeat's stacked variables (and with
+        ``scan=True`` over separate stages) as one scan, the others in turn."""
+        run_units = stretch.units
+        for i, j in self.alike.runs(run_units):
+            first = run_units[i]
+            k = first.stop - first.start
+            if first.start in self.loops.stacked_runs:
+                stacked = self.cut.pieces[first.start]
+            elif self.scan and j - i >= 2 and self.keeps_shape(first, a):
+                stacked = self.stack(run_units[i:j])
+            else:
+                for unit in run_units[i:j]:
+                    a = self.unit(unit, a, updates, None)
+                continue
+            a = scan_units(self.apply_all((first,)), first.start, k, j - i, a, updates, stacked, lambda P: P,
+                           cut_in_checkpoint=False)
+        return a
+
+    def apply_all(self, pattern: tuple[Unit, ...]):
+        def apply(env: Env, a: Any, local: dict) -> Any:
+            for unit in pattern:
+                a = self.unit(unit, a, local, env)
+            return a
+
+        return apply
+
+    # -- scan=True: stacking separate stages -------------------------------------------------------
+
+    def keeps_shape(self, unit: Unit, a: Any) -> bool:
+        out = jax.eval_shape(lambda a: self.unit(unit, a, {}, None), a)
+        same = lambda x, y: np.shape(x) == np.shape(y) and x.dtype == y.dtype  # noqa: E731
+        return jax.tree.structure(out) == jax.tree.structure(a) and all(
+            same(x, y) for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(a))
+        )
+
+    def stack(self, run: tuple[Unit, ...]) -> list[Any]:
+        """The variables of ``run``'s units, per position in the unit stacked over the units (a copy)."""
+        k = run[0].stop - run[0].start
+        return [
+            jax.tree.map(lambda *xs: jnp.stack(xs), *[self.cut.per_stage[u.start + p] for u in run]) for p in range(k)
+        ]
+
+
+__all__ = ["Walker"]
