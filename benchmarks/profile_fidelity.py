@@ -1,4 +1,4 @@
-"""Does the profiled cost model match XLA? (issue 3, work in progress)
+"""Does the profiled cost model match XLA? The profile against the whole compiled training step.
 
 For a chain, profile it, then compile the whole training step (loss and gradients) without remat
 and with ``jax.checkpoint`` around every stage, on CPU with ``cse_barrier_expander`` disabled,
@@ -141,7 +141,7 @@ def main() -> None:
         "Where the prediction is high (every stage checkpointed, MLP and CNN): when XLA recomputes a "
         "stage just before its backward it materialises only what that backward reads (the MLP's "
         "pre-activation, the CNN's convolution output), not the stage output, and it fuses the "
-        "element-wise residuals (gelu's tanh) into the backward; `COST_MODEL.md`'s `Fall` bundle is "
+        "element-wise residuals (gelu's tanh) into the backward; `docs/cost_model.md`'s `Fall` bundle is "
         "the same for the first pass and for recomputation and holds the output, so the simulator "
         "counts the output and those residuals again in every recomputation (MLP: 12 MiB bundle "
         "against 4 MiB kept). Telling the two bundles apart needs a change to the contract.",

@@ -33,7 +33,7 @@ def test_executed_schedule_stays_within_its_plan():
     """An optimal schedule run inside the training step: XLA temp <= 1.10 x the predicted peak
     and compiled flops within 6% of the predicted forward + backward + recomputation (store-all
     matches to 0.2%; XLA drops recomputation whose result the backward does not read, such as a
-    block's last matmul (DESIGN.md), which the prediction counts)."""
+    block's last matmul (docs/cost_model.md), which the prediction counts)."""
     import jax
 
     import jaxremat as jr
