@@ -56,7 +56,7 @@ def rows(scale: int = 1, shares=("30%", "50%", "75%")):
         costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
         least = jr.min_budget(costs)
         budgets = list(shares)
-        if any(jr.solvers.budget_bytes(costs, b) < least for b in shares):
+        if any(jr.parse_budget(b, costs) < least for b in shares):
             budgets.append(least)  # also the least budget that fits
         for share in budgets:
             try:  # jr.plan: a Repeat layer gets a schedule it runs as one loop
