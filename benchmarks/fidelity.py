@@ -23,7 +23,7 @@ from jaxremat.api.calibrate import compile_schedule_step
 from jaxremat.model.chain import Chain
 from jaxremat import profile
 from jaxremat.profiling import Rates
-from jaxremat.core.simulator import FORWARD_KINDS
+from jaxremat.core import simulator
 from profile_fidelity import models  # noqa: E402  (same directory)
 
 
@@ -34,8 +34,7 @@ def measure(chain, variables, x, costs, schedule) -> tuple[int, float]:
 
 
 def predicted_flops(costs: jr.ChainCosts, schedule: jr.Schedule) -> float:
-    fwd = sum(costs.fwd_flops[i] for k, i in schedule.ops if k in FORWARD_KINDS)
-    return float(fwd + costs.bwd_flops.sum())
+    return simulator.predicted_flops(costs, schedule.ops)
 
 
 def chains(scale: int = 1):

@@ -14,7 +14,7 @@ stages) → ``profiling`` (what XLA keeps) → ``solvers`` → ``run`` (the exec
 from jaxremat.api import Plan, RematChain, RematSequential, load_plan, plan, remat_chain, remat_nnx
 from jaxremat.core.budgets import Budget, parse_budget, store_all_peak
 from jaxremat.core.compile import compiler_options, jit
-from jaxremat.core.costs import ChainCosts
+from jaxremat.core.costs import ChainCosts, StageOption
 from jaxremat.core.ops import Op, OpKind
 from jaxremat.core.schedule import InfeasibleBudget, Schedule, StageDecision
 from jaxremat.core.simulator import simulate
@@ -40,6 +40,7 @@ __all__ = [
     "Repeat",
     "Schedule",
     "StageDecision",
+    "StageOption",
     "compiler_options",
     "execute",
     "format_bytes",

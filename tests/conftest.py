@@ -21,8 +21,10 @@ settings.load_profile("ci")
 
 
 @st.composite
-def chains(draw, min_len: int = 1, max_len: int = 9) -> jr.ChainCosts:
-    """Random heterogeneous chains: varied x, xbar up to 20x x, zero temps, tiny sizes."""
+def chains(draw, min_len: int = 1, max_len: int = 9, v2: bool = False) -> jr.ChainCosts:
+    """Random heterogeneous chains: varied x, xbar up to 20x x, zero temps, tiny sizes. With
+    ``v2``, also measured-looking ``FB`` costs (cheaper than ``Fall; B``, or not) and up to two
+    store options per stage (keeping less, backward slower)."""
     L = draw(st.integers(min_len, max_len))
     scale = draw(st.sampled_from([1, 10, 1000, 10**6]))
     size = st.integers(0, 20).map(lambda v: v * scale)
@@ -39,7 +41,19 @@ def chains(draw, min_len: int = 1, max_len: int = 9) -> jr.ChainCosts:
     t = st.floats(0.0, 10.0, allow_nan=False).map(lambda v: round(v, 3))
     fwd = [draw(t) for _ in range(L)]
     bwd = [draw(t) for _ in range(L)]
-    return jr.ChainCosts(x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=ftmp, bwd_tmp=btmp)
+    if not v2:
+        return jr.ChainCosts(x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=ftmp, bwd_tmp=btmp)
+    share = st.floats(0.0, 1.5, allow_nan=False)
+    fb = [round((fwd[i] + bwd[i]) * draw(share), 3) for i in range(L)]
+    fb_tmp = [int(draw(share) * xbar[i]) + draw(tmp) for i in range(L)]
+    options = []
+    for i in range(L):
+        n = draw(st.integers(0, 2))
+        options.append([
+            jr.StageOption(f"policy{k}", int(draw(share) * xbar[i]), round(bwd[i] + draw(t), 3), draw(tmp))
+            for k in range(n)
+        ])
+    return jr.ChainCosts(x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=ftmp, bwd_tmp=btmp, fb=fb, fb_tmp=fb_tmp, options=options)
 
 
 def random_chain(rng: np.random.Generator, L: int) -> jr.ChainCosts:
@@ -56,10 +70,18 @@ def random_chain(rng: np.random.Generator, L: int) -> jr.ChainCosts:
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def _shared_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jaxremat-cache")
+
+
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    """Every test gets its own profile cache folder."""
-    monkeypatch.setenv("JAXREMAT_CACHE_DIR", str(tmp_path / "jaxremat-cache"))
+def _test_cache(request, tmp_path, monkeypatch, _shared_cache):
+    """A profile cache folder of the test run's own (never the user's): shared by the tests, whose
+    models repeat (entries are keyed by what they measure), except the profiler's tests, which
+    count what is measured and get one folder each."""
+    private = request.module.__name__.endswith("test_profile")
+    monkeypatch.setenv("JAXREMAT_CACHE_DIR", str(tmp_path / "jaxremat-cache" if private else _shared_cache))
 
 
 def plain_forward(chain):

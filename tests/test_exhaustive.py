@@ -1,4 +1,5 @@
-"""On tiny chains, compare the DP with a shortest-path search over every valid op sequence."""
+"""On tiny chains, compare the DP with a shortest-path search over every valid op sequence
+(store options and FB included)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def exhaustive_best_time(costs: jr.ChainCosts, budget: int) -> float:
             continue
         seen[key] = t
         ops = [(k, i) for i in range(max(m.next_b, -1) + 1) for k in FORWARD_KINDS]
-        ops += [("Loss", L), ("B", m.next_b)] if m.next_b >= 0 else []
+        ops += [("Fall", i, k) for i in range(max(m.next_b, -1) + 1) for k in range(1, costs.option_count(i))]
+        ops += [("Loss", L), ("B", m.next_b), ("FB", m.next_b)] if m.next_b >= 0 else []
         for op in ops:
             nxt = m.copy()
             try:

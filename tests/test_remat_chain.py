@@ -30,7 +30,7 @@ def test_wrapped_sequential_matches_the_plain_model_under_jit():
     ref = jax.jit(jax.grad(loss_fn(model.apply)))(v, x)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, ref)
     p = wrapped.plan(v, x)
-    assert p.schedule.budget == jr.parse_budget("60%", p.costs) and p.predicted_overhead > 1.0
+    assert p.schedule.budget == jr.parse_budget("60%", p.costs) and any(d.recomputed for d in p.schedule.decisions())
     assert "budget" in p.report()
 
 

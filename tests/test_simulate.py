@@ -37,7 +37,7 @@ def test_every_stage_peak_by_hand():
         ([("Fn", 1)], r"op #0 \('Fn', 1\): a_1 is not live"),
         ([("Fall", 0), ("Fck", 0)], r"op #1 \('Fck', 0\): a_1 is already live"),
         ([("Fall", 0), ("B", 0)], r"op #1 \('B', 0\): a backward op before Loss"),
-        ([("Fall", 0), ("Fall", 1), ("Fall", 2), ("Loss", 3), ("B", 1)], r"expected \('B', 2\)"),
+        ([("Fall", 0), ("Fall", 1), ("Fall", 2), ("Loss", 3), ("B", 1)], "expected the backward of stage 2"),
         ([("Fck", 0), ("Fck", 1), ("Fck", 2), ("Loss", 3), ("B", 2)], r"abar_2 is not live"),
         ([("Fn", 0), ("Fn", 1), ("Fall", 2), ("Loss", 3), ("B", 2), ("Fall", 1), ("B", 1)],
          r"op #5 \('Fall', 1\): a_1 is not live"),

@@ -53,13 +53,13 @@ def loop_schedule(chain: Chain, variables: Any, costs: ChainCosts, budget: Budge
 
 
 def calibrated_loop_schedule(
-    chain: Chain, variables: Any, sample: Any, costs: ChainCosts, budget: Budget, max_period: int
+    chain: Chain, variables: Any, sample: Any, costs: ChainCosts, budget: Budget, max_period: int, policies: Any = None
 ) -> Schedule | None:
     """The fastest loop schedule whose step, compiled by XLA, fits the budget (fastest candidates
     first, skipping those whose plain prediction is above the budget by more than XLA was seen to
     save; a few compilations); ``None`` when none tried fits."""
     candidates = loop_schedules(costs, loop_groups(chain), param_bytes(chain, variables), max_period)
-    measure = functools.partial(step_temp, chain, variables, sample)
+    measure = functools.partial(step_temp, chain, variables, sample, policies=policies)
     found = calibrated_pick(
         candidates, budget_bytes(costs, budget), measure, optimistic=lambda s: int(0.85 * simulate(costs, s.ops)[0])
     )

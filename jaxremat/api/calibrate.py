@@ -49,16 +49,16 @@ def compile_step(step: Callable, params: list, x: Any) -> Any:
     return jax.jit(as_planned(step)).lower(params, x).compile(compiler_options() or None)
 
 
-def step_temp(chain: Chain, variables: Any, x: Any, schedule: Schedule) -> int:
+def step_temp(chain: Chain, variables: Any, x: Any, schedule: Schedule, policies: Any = None) -> int:
     """XLA's ``temp_size_in_bytes`` of a training step of ``chain`` that follows ``schedule``
     (compiled from shapes alone, so ``variables`` and ``x`` may be tracers)."""
-    return int(compile_schedule_step(chain, variables, x, schedule).memory_analysis().temp_size_in_bytes)
+    return int(compile_schedule_step(chain, variables, x, schedule, policies).memory_analysis().temp_size_in_bytes)
 
 
-def compile_schedule_step(chain: Chain, variables: Any, x: Any, schedule: Schedule) -> Any:
+def compile_schedule_step(chain: Chain, variables: Any, x: Any, schedule: Schedule, policies: Any = None) -> Any:
     """The compiled training step of ``chain`` following ``schedule`` (from shapes alone), over
     the model's own variables (a Repeat's stacked, as the model keeps them)."""
-    f = execute(chain, schedule)
+    f = execute(chain, schedule, policies=policies)
 
     def step(per_layer: list, x: Any) -> tuple[jax.Array, list]:
         rngs = {s: jax.random.key(1) for st in chain.stages for s in st.rng_streams} or None

@@ -21,7 +21,7 @@ class RematChain:
     when the budget changes (:meth:`with_budget`), and re-profiled when input shapes change.
 
     Options (keyword-only): ``algorithm``, ``method`` (``"measure"`` or ``"xla"``), ``slots``,
-    ``calibrate``, ``max_period`` (see :class:`~jaxremat.api.plans.PlanOptions`), ``mutable`` and
+    ``calibrate``, ``max_period``, ``policies`` (see :class:`~jaxremat.api.plans.PlanOptions`), ``mutable`` and
     ``rng_streams`` (collections the stages update and RNG streams they draw from), ``plan`` (a
     :class:`~jaxremat.Plan` to use, e.g. from :func:`~jaxremat.load_plan`).
     """
@@ -66,7 +66,7 @@ class RematChain:
     def apply(self, variables: Any, x: Any, rngs: Rngs = None, mutable: Any = False) -> Any:
         """As ``model.apply``: the output, or ``(output, updated collections)`` when ``mutable``."""
         p = self.plan(variables, x)
-        out, updates = execute(self.chain, p.schedule)(variables, x, rngs)
+        out, updates = execute(self.chain, p.schedule, policies=self.planner.options.named_policies)(variables, x, rngs)
         if not mutable:
             return out
         per_stage = [updates.get(i, {}) for i in range(len(self.chain))]

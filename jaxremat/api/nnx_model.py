@@ -52,7 +52,7 @@ class RematSequential(nnx.Module):
     def __call__(self, x: Any) -> Any:
         variables = self.variables()
         p = self.planner.plan(self.chain, variables, x)
-        out, updates = execute(self.chain, p.schedule)(variables, x)
+        out, updates = execute(self.chain, p.schedule, policies=self.planner.options.named_policies)(variables, x)
         for i, new in updates.items():
             layer = self.layers[i]
             if isinstance(layer, nnx.Module) and "rest" in new:

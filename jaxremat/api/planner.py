@@ -52,10 +52,11 @@ def plan_options(method: str | None = None, profile: str | None = None, **option
         if method is not None and method != profile:
             raise ValueError(f"method={method!r} and profile={profile!r} disagree; give method= only")
         method = profile
-    unknown = sorted(set(options) - {"algorithm", "slots", "calibrate", "max_period", "profile_options"})
+    unknown = sorted(set(options) - {"algorithm", "slots", "calibrate", "max_period", "policies", "profile_options"})
     if unknown:
         raise TypeError(
-            f"unknown option(s) {', '.join(unknown)}; the options are algorithm, method, slots, calibrate, max_period"
+            f"unknown option(s) {', '.join(unknown)}; the options are algorithm, method, slots, calibrate, max_period, "
+            "policies"
         )
     return PlanOptions(method=method or "measure", **options)
 
@@ -83,7 +84,7 @@ def plan(
       budget: bytes, ``"512MiB"``, a share of the store-all peak (``"40%"``), or ``None`` for
         the store-all peak; required unless ``model`` has its own.
       costs: the chain's costs, when already profiled (no profiling then).
-      options: ``algorithm``, ``method``, ``slots``, ``calibrate``, ``max_period``
+      options: ``algorithm``, ``method``, ``slots``, ``calibrate``, ``max_period``, ``policies``
         (:class:`~jaxremat.api.plans.PlanOptions`); other keywords go to
         :func:`jaxremat.profile` (``cache``, ``repeats``, ``quiet``, ``rates``).
 
@@ -109,7 +110,7 @@ def plan(
             "peak); only a model from jaxremat.remat_chain(budget) has its own"
         )
     chain = model if isinstance(model, Chain) else Chain.from_linen(model)
-    known = {"algorithm", "method", "slots", "calibrate", "max_period", "profile"}
+    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "profile"}
     profile_options = {k: v for k, v in options.items() if k not in known}
     return make_plan(
         chain, variables, sample, budget,

@@ -6,13 +6,14 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from jaxremat.api import _loop_plans
 from jaxremat.api.calibrate import calibrated_solve, step_temp
 from jaxremat.core.budgets import Budget
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.loops import MAX_PERIOD
+from jaxremat.core.policies import Policies, Policy, policies_of
 from jaxremat.core.schedule import Schedule
 from jaxremat.model.chain import Chain
 from jaxremat.model.identity import leaf_signature, stage_identity
@@ -43,6 +44,9 @@ class PlanOptions:
       calibrate: correct the plan with XLA's measured memory (a few compilations).
       max_period: the longest pattern repeated over a :class:`~jaxremat.Repeat` layer
         (1 keeps to loops that compile one block body).
+      policies: the checkpoint policies measured as store options of every stage
+        (:data:`jaxremat.core.policies.Policies`: ``None`` for ``dots_saveable`` and
+        ``dots_with_no_batch_dims_saveable``, a dict ``{name: policy}`` to add yours, ``()`` for none).
     """
 
     algorithm: str = "optimal"
@@ -50,7 +54,13 @@ class PlanOptions:
     slots: int = 500
     calibrate: bool = False
     max_period: int = MAX_PERIOD
+    policies: Policies = None
     profile_options: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def named_policies(self) -> dict[str, Policy] | None:
+        """The policies given by name (what the executor needs beyond the built-in ones)."""
+        return dict(self.policies) if isinstance(self.policies, Mapping) else None
 
     def __post_init__(self) -> None:
         canonical(self.algorithm)  # unknown names fail now, not at the first call
@@ -58,6 +68,7 @@ class PlanOptions:
             raise ValueError(f"method must be 'measure' or 'xla', got {self.method!r}")
         if isinstance(self.max_period, bool) or not isinstance(self.max_period, int) or self.max_period < 1:
             raise ValueError(f"max_period must be an int >= 1, got {self.max_period!r}")
+        policies_of(self.policies)  # bad policies fail now
 
 
 @dataclass(frozen=True)
@@ -92,10 +103,12 @@ class Plan:
                 "shapes or input shape differ); make a new one with jaxremat.plan(...)"
             )
 
-    def executor(self, chain: Chain, variables: Any, sample: Any) -> Callable[..., tuple[Any, Any]]:
+    def executor(
+        self, chain: Chain, variables: Any, sample: Any, policies: Mapping[str, Policy] | None = None
+    ) -> Callable[..., tuple[Any, Any]]:
         """:func:`~jaxremat.execute` of this plan, after checking it fits the model."""
         self.check(chain, variables, sample)
-        return execute(chain, self.schedule)
+        return execute(chain, self.schedule, policies=policies)
 
     def to_json(self) -> dict:
         s = self.schedule
@@ -137,16 +150,18 @@ def make_plan(
     """Profile ``chain`` (unless ``costs`` are given) and solve for ``budget`` under ``options``
     (what :func:`jaxremat.plan` does for a :class:`~jaxremat.Chain`)."""
     if costs is None:
-        costs = profile(chain, variables, sample, method=options.method, **options.profile_options)
+        costs = profile(chain, variables, sample, method=options.method, policies=options.policies, **options.profile_options)
     o = options
     if chain.stacked and canonical(o.algorithm) == "optimal":
         schedule = None
         if o.calibrate:
-            schedule = _loop_plans.calibrated_loop_schedule(chain, variables, sample, costs, budget, o.max_period)
+            schedule = _loop_plans.calibrated_loop_schedule(
+                chain, variables, sample, costs, budget, o.max_period, o.named_policies
+            )
         if schedule is None:
             schedule = _loop_plans.loop_schedule(chain, variables, costs, budget, o.slots, o.max_period)
     elif o.calibrate:
-        measure = functools.partial(step_temp, chain, variables, sample)
+        measure = functools.partial(step_temp, chain, variables, sample, policies=o.named_policies)
         schedule = calibrated_solve(costs, budget, measure, algorithm=o.algorithm, slots=o.slots).schedule
     else:
         schedule = solve(costs, budget, algorithm=o.algorithm, slots=o.slots)

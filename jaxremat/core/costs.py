@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -13,7 +15,8 @@ from jaxremat.core.units import format_bytes
 _SIZE_FIELDS = ("x", "xbar", "fwd_tmp", "bwd_tmp")
 _TIME_FIELDS = ("fwd", "bwd")
 FIELDS = ("x", "xbar", "fwd", "bwd", "fwd_tmp", "bwd_tmp")
-OPTIONAL_FIELDS = ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes")  # from XLA's cost analysis
+OPTIONAL_FIELDS = ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "fb_flops")  # from XLA's cost analysis
+V2_FIELDS = ("fb", "fb_tmp")  # contract version 2: the fused forward-backward
 
 
 def _as_array(name: str, values: Any, *, integral: bool) -> np.ndarray:
@@ -47,6 +50,84 @@ def _as_array(name: str, values: Any, *, integral: bool) -> np.ndarray:
     return arr
 
 
+def _options(value: Any, n: int) -> tuple[tuple["StageOption", ...], ...] | None:
+    """``ChainCosts.options`` checked: ``None``, or per stage a sequence of options."""
+    if value is None:
+        return None
+    try:
+        per_stage = list(value)
+    except TypeError:
+        raise ValueError(f"ChainCosts.options must be None or one sequence of StageOption per stage, got {value!r}") from None
+    if len(per_stage) != n:
+        raise ValueError(f"ChainCosts.options has {len(per_stage)} entries; expected L = {n} (one tuple of options per stage)")
+    out = []
+    for i, options in enumerate(per_stage):
+        if options is None:
+            options = ()
+        if isinstance(options, (str, StageOption, dict)):
+            raise ValueError(f"ChainCosts.options[{i}] must be a sequence of StageOption (one stage's options), got {options!r}")
+        got = tuple(StageOption.of(o, f"ChainCosts.options[{i}][{k}] (stage {i}, option {k + 1})") for k, o in enumerate(options))
+        names = [o.name for o in got]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ChainCosts.options[{i}] names a policy twice: {names}")
+        out.append(got)
+    return tuple(out) if any(out) else None
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """A stage stored under a checkpoint policy (``docs/cost_model.md``, *Stage options*).
+
+    Attributes:
+      name: the policy's name, as the executor knows it (``"dots_saveable"``, or a name given in
+        ``policies=``).
+      xbar: bytes the bundle keeps: the residuals the policy saves, plus the stage output.
+      bwd: the backward's time, the recomputation of what the policy does not keep included.
+      bwd_tmp: the backward's transient bytes, the recomputed residuals included.
+    """
+
+    name: str
+    xbar: int
+    bwd: float
+    bwd_tmp: int
+    bwd_flops: float | None = None  # from XLA's cost analysis, when profiled
+
+    @classmethod
+    def of(cls, value: Any, where: str) -> "StageOption":
+        """A :class:`StageOption` from itself, a dict or a ``(name, xbar, bwd, bwd_tmp)`` tuple,
+        checked; ``ValueError`` naming ``where`` when it is not one."""
+        try:
+            flops = None
+            if isinstance(value, StageOption):
+                name, xbar, bwd, bwd_tmp, flops = value.name, value.xbar, value.bwd, value.bwd_tmp, value.bwd_flops
+            elif isinstance(value, dict):
+                name, xbar, bwd, bwd_tmp = (value[k] for k in ("name", "xbar", "bwd", "bwd_tmp"))
+                flops = value.get("bwd_flops")
+            else:
+                name, xbar, bwd, bwd_tmp = value
+        except (TypeError, ValueError, KeyError):
+            raise ValueError(
+                f"{where} must be a jaxremat.StageOption(name, xbar, bwd, bwd_tmp), got {value!r}"
+            ) from None
+        if not isinstance(name, str) or not name or name == STORE_ALL:
+            raise ValueError(f"{where}.name must be a policy name (a non-empty string other than {STORE_ALL!r}), got {name!r}")
+        checked = []
+        for field, v in (("xbar", xbar), ("bwd", bwd), ("bwd_tmp", bwd_tmp)):
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}.{field} is not a number: {v!r}") from None
+            if not math.isfinite(f) or f < 0 or (field != "bwd" and f != math.floor(f)):
+                what = "a finite number >= 0" if field == "bwd" else "a whole number of bytes >= 0"
+                raise ValueError(f"{where}.{field} = {v!r}; it must be {what}")
+            checked.append(f if field == "bwd" else int(f))
+        return cls(name, *checked, None if flops is None else float(flops))
+
+
+#: The name of option 0 of every stage: every residual kept.
+STORE_ALL = "store_all"
+
+
 @dataclass(frozen=True, eq=False)
 class ChainCosts:
     """Per-stage costs of a chain of ``L`` stages (see ``docs/cost_model.md``).
@@ -60,6 +141,12 @@ class ChainCosts:
       names: optional ``L`` stage names for reports.
       fwd_flops, bwd_flops, fwd_bytes, bwd_bytes: optional ``L`` flops and bytes accessed of each
         stage's forward and backward (the profiler fills them from XLA's cost analysis).
+      fb_flops: optional ``L`` flops of ``FB i``.
+      fb, fb_tmp: ``L`` time and transient bytes of ``FB i``, the stage's forward fused with its
+        backward (``fb_tmp`` beyond ``a_i``, ``delta_{i+1}`` and ``delta_i``). Left out, they are
+        what ``Fall i; B i`` costs: ``fwd + bwd`` and ``xbar + max(fwd_tmp - x[i], bwd_tmp)``.
+      options: per stage, a tuple of :class:`StageOption` (store options ``1 .. K_i - 1``;
+        option 0 is store-all, the arrays above); ``None``: no stage has options.
 
     Arrays are stored as read-only numpy arrays (sizes as ``int64``, times as ``float64``).
     """
@@ -75,6 +162,10 @@ class ChainCosts:
     bwd_flops: np.ndarray | None = None
     fwd_bytes: np.ndarray | None = None
     bwd_bytes: np.ndarray | None = None
+    fb_flops: np.ndarray | None = None
+    fb: np.ndarray | None = None
+    fb_tmp: np.ndarray | None = None
+    options: tuple[tuple[StageOption, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in FIELDS:
@@ -105,6 +196,15 @@ class ChainCosts:
             if len(names) != n:
                 raise ValueError(f"ChainCosts.names has {len(names)} entries; expected L = {n}")
             object.__setattr__(self, "names", names)
+        # FB i left out: what Fall i; B i costs (contract version 1)
+        fb = self.fwd + self.bwd if self.fb is None else self.fb
+        fb_tmp = self.xbar + np.maximum(self.fwd_tmp - self.x[:-1], self.bwd_tmp) if self.fb_tmp is None else self.fb_tmp
+        for name, value in (("fb", fb), ("fb_tmp", fb_tmp)):
+            arr = _as_array(name, value, integral=name == "fb_tmp")
+            if len(arr) != n:
+                raise ValueError(f"ChainCosts.{name} has {len(arr)} entries; expected L = {n} (one per stage)")
+            object.__setattr__(self, name, arr)
+        object.__setattr__(self, "options", _options(self.options, n))
 
     @property
     def length(self) -> int:
@@ -117,12 +217,51 @@ class ChainCosts:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ChainCosts):
             return NotImplemented
-        return self.names == other.names and all(
-            np.array_equal(getattr(self, f), getattr(other, f)) for f in FIELDS
+        return self.names == other.names and self.options == other.options and all(
+            np.array_equal(getattr(self, f), getattr(other, f)) for f in FIELDS + V2_FIELDS
         )
 
     def __hash__(self) -> int:
-        return hash(tuple(getattr(self, f).tobytes() for f in FIELDS))
+        return hash(tuple(getattr(self, f).tobytes() for f in FIELDS + V2_FIELDS))
+
+    # -- store options ---------------------------------------------------------------------------
+
+    def option_count(self, i: int) -> int:
+        """``K_i``: stage ``i``'s store options, store-all (option 0) included."""
+        return 1 + (len(self.options[i]) if self.options is not None else 0)
+
+    @property
+    def max_options(self) -> int:
+        """The largest ``K_i`` over the stages."""
+        return max(self.option_count(i) for i in range(self.length))
+
+    def option(self, i: int, k: int) -> StageOption:
+        """Stage ``i``'s option ``k`` (option 0 as a :class:`StageOption` named ``"store_all"``)."""
+        if not 0 <= k < self.option_count(i):
+            raise ValueError(f"stage {i} has {self.option_count(i)} store option(s); there is no option {k}")
+        if k == 0:
+            return StageOption(STORE_ALL, int(self.xbar[i]), float(self.bwd[i]), int(self.bwd_tmp[i]))
+        return self.options[i][k - 1]
+
+    @functools.cached_property
+    def option_table(self) -> tuple[tuple[tuple[int, float, int], ...], ...]:
+        """Per stage, per option: ``(xbar, bwd, bwd_tmp)`` (for the simulator's inner loop)."""
+        return tuple(
+            tuple((o.xbar, o.bwd, o.bwd_tmp) for o in (self.option(i, k) for k in range(self.option_count(i))))
+            for i in range(self.length)
+        )
+
+    def option_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(K, L)`` arrays of every option's ``xbar``, ``bwd``, ``bwd_tmp`` (``K`` =
+        :attr:`max_options`), and a mask of the options that exist (missing ones hold zeros)."""
+        K, L = self.max_options, self.length
+        xbar, bwd, bwd_tmp = np.zeros((K, L), np.int64), np.zeros((K, L)), np.zeros((K, L), np.int64)
+        exists = np.zeros((K, L), bool)
+        for i in range(L):
+            for k in range(self.option_count(i)):
+                o = self.option(i, k)
+                xbar[k, i], bwd[k, i], bwd_tmp[k, i], exists[k, i] = o.xbar, o.bwd, o.bwd_tmp, True
+        return xbar, bwd, bwd_tmp, exists
 
     def __repr__(self) -> str:
         return (
@@ -137,6 +276,9 @@ class ChainCosts:
         if self.names is not None:
             d["names"] = list(self.names)
         d.update({f: getattr(self, f).tolist() for f in OPTIONAL_FIELDS if getattr(self, f) is not None})
+        d.update({f: getattr(self, f).tolist() for f in V2_FIELDS})
+        if self.options is not None:
+            d["options"] = [[dataclasses.asdict(o) for o in per] for per in self.options]
         return d
 
     @classmethod
@@ -144,7 +286,10 @@ class ChainCosts:
         missing = [f for f in FIELDS if f not in d]
         if missing:
             raise ValueError(f"ChainCosts.from_dict: missing field(s) {missing}")
-        return cls(**{f: d[f] for f in FIELDS}, names=d.get("names"), **{f: d.get(f) for f in OPTIONAL_FIELDS})
+        return cls(
+            **{f: d[f] for f in FIELDS}, names=d.get("names"), **{f: d.get(f) for f in OPTIONAL_FIELDS + V2_FIELDS},
+            options=d.get("options"),
+        )
 
     @classmethod
     def uniform(
@@ -170,21 +315,31 @@ class ChainCosts:
 
     def table(self, time_unit: str = "ms") -> str:
         """Per stage: name, output size, store-all size, temporaries, times (seconds shown in
-        ``time_unit``: "s", "ms" or "us") and, when known, forward and backward GFLOP."""
+        ``time_unit``: "s", "ms" or "us"), ``FB``'s time and bytes, the store options and, when
+        known, forward and backward GFLOP."""
         scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
-        head = ["stage", "x (out)", "xbar", "fwd_tmp", "bwd_tmp", f"fwd {time_unit}", f"bwd {time_unit}"]
+        head = ["stage", "x (out)", "xbar", "fwd_tmp", "bwd_tmp", f"fwd {time_unit}", f"bwd {time_unit}",
+                f"FB {time_unit}", "FB tmp"]
         flops = self.fwd_flops is not None and self.bwd_flops is not None
         if flops:
             head += ["fwd GFLOP", "bwd GFLOP"]
+        if self.options is not None:
+            head.append(f"options: xbar / bwd {time_unit} / bwd_tmp")
         rows = [head]
         for i in range(self.length):
             row = [
                 self.stage_name(i), format_bytes(self.x[i + 1]), format_bytes(self.xbar[i]),
                 format_bytes(self.fwd_tmp[i]), format_bytes(self.bwd_tmp[i]),
                 f"{scale * self.fwd[i]:.4g}", f"{scale * self.bwd[i]:.4g}",
+                f"{scale * self.fb[i]:.4g}", format_bytes(self.fb_tmp[i]),
             ]
             if flops:
                 row += [f"{self.fwd_flops[i] / 1e9:.4g}", f"{self.bwd_flops[i] / 1e9:.4g}"]
+            if self.options is not None:
+                row.append("; ".join(
+                    f"{o.name} {format_bytes(o.xbar)} / {scale * o.bwd:.4g} / {format_bytes(o.bwd_tmp)}"
+                    for o in self.options[i]
+                ))
             rows.append(row)
         widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

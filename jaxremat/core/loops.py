@@ -105,7 +105,7 @@ def loop_costs(
     copy's residuals packed in one row beside the unpacked ones: ``r = xbar - x_out`` more of
     each (without them XLA's peak was up to 1.05x the prediction on 48 transformer blocks).
     """
-    fwd_tmp, bwd_tmp = costs.fwd_tmp.copy(), costs.bwd_tmp.copy()
+    fwd_add, bwd_add = np.zeros(costs.length, np.int64), np.zeros(costs.length, np.int64)
     for s, n in groups:
         pattern = pattern_of[s]
         selective = is_selective(pattern, n)
@@ -113,24 +113,38 @@ def loop_costs(
         f, b = (1, 2) if p == 1 or selective else (2 * p, 4 * p)
         r = max(int(costs.xbar[s]) - int(costs.x[s + 1]), 0) if selective else 0
         for i in range(s, s + n):
-            fwd_tmp[i] += f * int(param_bytes[i]) + r
-            bwd_tmp[i] += b * int(param_bytes[i]) + r
-    return dataclasses.replace(costs, fwd_tmp=np.asarray(fwd_tmp), bwd_tmp=np.asarray(bwd_tmp))
+            fwd_add[i] += f * int(param_bytes[i]) + r
+            bwd_add[i] += b * int(param_bytes[i]) + r
+    return add_transients(costs, fwd_add, bwd_add)
+
+
+def add_transients(costs: ChainCosts, fwd_add: np.ndarray, bwd_add: np.ndarray) -> ChainCosts:
+    """``costs`` with ``fwd_add`` more forward and ``bwd_add`` more backward transient bytes per
+    stage: in every store option's backward and in ``FB`` (which runs both) too."""
+    options = None
+    if costs.options is not None:
+        options = tuple(
+            tuple(dataclasses.replace(o, bwd_tmp=o.bwd_tmp + int(bwd_add[i])) for o in per)
+            for i, per in enumerate(costs.options)
+        )
+    return dataclasses.replace(
+        costs, fwd_tmp=costs.fwd_tmp + fwd_add, bwd_tmp=costs.bwd_tmp + bwd_add,
+        fb_tmp=costs.fb_tmp + np.maximum(fwd_add, bwd_add), options=options,
+    )
 
 
 def copy_costs(costs: ChainCosts, groups: Sequence[LoopGroup], param_bytes: Sequence[int]) -> ChainCosts:
     """``costs`` with what slicing each Repeat's stacked variables costs when it does not run as
     one loop: XLA copies the slices and the gradient's pieces, up to twice the layer's variable
     bytes (measured), live from the layer's forward pass to the end of its backward pass."""
-    fwd_tmp, bwd_tmp = costs.fwd_tmp.copy(), costs.bwd_tmp.copy()
+    add = np.zeros(costs.length, np.int64)
     for s, n in groups:
-        w = 2 * sum(int(b) for b in param_bytes[s : s + n])
-        fwd_tmp[s:] += w
-        bwd_tmp[s:] += w
-    return dataclasses.replace(costs, fwd_tmp=np.asarray(fwd_tmp), bwd_tmp=np.asarray(bwd_tmp))
+        add[s:] += 2 * sum(int(b) for b in param_bytes[s : s + n])
+    return add_transients(costs, add, add)
 
 
 __all__ = [
-    "MAX_PERIOD", "PATTERN_LOOP_UP_TO", "STORE", "REGION", "LoopGroup", "Part", "as_pattern", "compile_rank", "copy_costs",
+    "MAX_PERIOD", "PATTERN_LOOP_UP_TO", "STORE", "REGION", "LoopGroup", "Part", "add_transients", "as_pattern",
+    "compile_rank", "copy_costs",
     "is_selective", "loop_costs", "period", "runs_selective",
 ]

@@ -1,13 +1,15 @@
 """The ops of a schedule (``docs/cost_model.md``): one definition that every layer reads.
 
-An op is ``Op(kind, stage)``, a named tuple, so ``("Fall", 3)`` written by hand is an op too and
-op lists stay plain JSON. Its kind is an :class:`OpKind`, a ``str`` enum: ``OpKind.FALL == "Fall"``.
+An op is an :class:`Op`, a tuple ``(kind, stage)`` or, for a stage stored under option ``k > 0``,
+``(kind, stage, k)``; so ``("Fall", 3)`` written by hand is an op too, ``("Fall", 3, 0)`` is the
+same op as ``("Fall", 3)``, and op lists stay plain JSON. Its kind is an :class:`OpKind`, a
+``str`` enum: ``OpKind.FALL == "Fall"``.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 
 class OpKind(StrEnum):
@@ -15,37 +17,70 @@ class OpKind(StrEnum):
 
     FCK = "Fck"  # forward, keeping the input (a checkpoint)
     FN = "Fn"  # forward, freeing a standalone input
-    FALL = "Fall"  # forward keeping every residual (the bundle abar_i)
+    FALL = "Fall"  # forward keeping the residuals of a store option (the bundle abar_i)
     LOSS = "Loss"  # the loss: makes delta_L
-    B = "B"  # the backward of one stage
+    B = "B"  # the backward of one stage, from its bundle
+    FB = "FB"  # the forward of one stage fused with its backward (a recomputation XLA fuses)
 
 
 FORWARD_KINDS: frozenset[OpKind] = frozenset({OpKind.FCK, OpKind.FN, OpKind.FALL})
+#: The ops that count as a stage's backward (each stage's runs exactly once, in order L-1..0).
+BACKWARD_KINDS: frozenset[OpKind] = frozenset({OpKind.B, OpKind.FB})
 
 
-class Op(NamedTuple):
-    """One op: ``kind`` on stage ``stage`` (``stage == L`` for the loss)."""
+class Op(tuple):
+    """One op: ``kind`` on stage ``stage`` (``stage == L`` for the loss); ``option`` is the store
+    option of a ``Fall`` (0, store-all, unless the stage has options)."""
 
-    kind: OpKind
-    stage: int
+    __slots__ = ()
+
+    def __new__(cls, kind: OpKind | str, stage: int, option: int = 0) -> "Op":
+        kind, stage, option = OpKind(kind), int(stage), int(option)
+        if option < 0 or (option and kind is not OpKind.FALL):
+            raise ValueError(f"({kind.value!r}, {stage}, {option}): only 'Fall' takes a store option, an int >= 0")
+        return tuple.__new__(cls, (kind, stage, option) if option else (kind, stage))
+
+    @property
+    def kind(self) -> OpKind:
+        return self[0]
+
+    @property
+    def stage(self) -> int:
+        return self[1]
+
+    @property
+    def option(self) -> int:
+        return self[2] if len(self) > 2 else 0
+
+    def __getnewargs__(self) -> tuple:
+        return (self.kind, self.stage, self.option)
+
+    def __repr__(self) -> str:
+        return repr((self.kind.value, *self[1:]))
 
     @classmethod
     def of(cls, op: Iterable, position: int = 0) -> "Op":
-        """An :class:`Op` from any ``(kind, stage)`` pair; ``ValueError`` naming ``position``
-        when ``op`` is not one."""
+        """An :class:`Op` from any ``(kind, stage)`` or ``(kind, stage, option)``; ``ValueError``
+        naming ``position`` when ``op`` is not one."""
+        if isinstance(op, Op):
+            return op
         try:
-            kind, stage = op
+            kind, stage, *rest = op
             stage = int(stage)
+            option = int(rest[0]) if rest else 0
+            if len(rest) > 1:
+                raise ValueError
         except (TypeError, ValueError):
-            raise ValueError(f"op #{position} {op!r} is not a (kind, stage) pair") from None
+            raise ValueError(f"op #{position} {op!r} is not a (kind, stage) pair or a (kind, stage, option) triple") from None
         try:
-            return cls(OpKind(str(kind)), stage)
+            kind = OpKind(str(kind))
         except ValueError:
             known = ", ".join(k.value for k in OpKind)
             raise ValueError(f"op #{position} ({kind!r}, {stage}): unknown op kind; expected one of {known}") from None
-
-    def __repr__(self) -> str:
-        return repr((self.kind.value, self.stage))
+        try:
+            return cls(kind, stage, option)
+        except ValueError as e:
+            raise ValueError(f"op #{position} {e}") from None
 
 
 def ops_of(ops: Iterable) -> tuple[Op, ...]:
@@ -60,4 +95,4 @@ def store_all_ops(L: int) -> list[Op]:
     )
 
 
-__all__ = ["FORWARD_KINDS", "Op", "OpKind", "ops_of", "store_all_ops"]
+__all__ = ["BACKWARD_KINDS", "FORWARD_KINDS", "Op", "OpKind", "ops_of", "store_all_ops"]

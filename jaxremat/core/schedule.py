@@ -44,7 +44,9 @@ class StageDecision:
 
     stage: int
     first_pass: str  # "stored" (Fall), "checkpoint" (Fck: input kept), "dropped" (Fn), "none"
-    forwards: int  # forward executions of the stage, recomputations included
+    forwards: int  # forward executions of the stage, recomputations (FB included) included
+    policy: str = ""  # first pass "stored": the store option's policy ("" for store-all)
+    fused: bool = False  # its backward is FB: recomputed right before it, fused with it
 
     @property
     def recomputed(self) -> int:
@@ -82,14 +84,21 @@ class Schedule:
         """Per stage: how its first forward keeps memory, and how often it runs forward."""
         L = self.costs.length
         first: list[str] = ["none"] * L
+        policy = [""] * L
         counts = [0] * L
+        fused = [False] * L
         names = {OpKind.FALL: "stored", OpKind.FCK: "checkpoint", OpKind.FN: "dropped"}
-        for kind, i in self.ops:
-            if kind in FORWARD_KINDS:
+        for op in self.ops:
+            i = op.stage
+            if op.kind in FORWARD_KINDS:
                 if counts[i] == 0:
-                    first[i] = names[kind]
+                    first[i] = names[op.kind]
+                    policy[i] = self.costs.option(i, op.option).name if op.option else ""
                 counts[i] += 1
-        return [StageDecision(i, first[i], counts[i]) for i in range(L)]
+            elif op.kind is OpKind.FB:
+                counts[i] += 1
+                fused[i] = True
+        return [StageDecision(i, first[i], counts[i], policy[i], fused[i]) for i in range(L)]
 
     def summary(self) -> str:
         """A readable report: budget, peak, time, and what happens to every stage."""
@@ -110,8 +119,10 @@ class Schedule:
         }
         width = max(len(c.stage_name(i)) for i in range(c.length))
         for d in self.decisions():
+            first = f"stored under {d.policy} (Fall)" if d.policy else legend[d.first_pass]
             rec = f", recomputed {d.recomputed}x" if d.recomputed else ""
-            lines.append(f"  {c.stage_name(d.stage):<{width}}  {legend[d.first_pass]}{rec}")
+            rec += " (the last time fused with its backward, FB)" if d.fused else ""
+            lines.append(f"  {c.stage_name(d.stage):<{width}}  {first}{rec}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -2,10 +2,11 @@
 
 For a segment of stages ``s .. t`` (stage ``L`` is the loss) the ops are one of
 
-* ``Fall s, <ops of s+1 .. t>, B s`` (:class:`Store`): stage ``s`` keeps its residuals;
+* ``Fall s k, <ops of s+1 .. t>, B s`` (:class:`Store`): stage ``s`` keeps the residuals of its
+  store option ``k`` (0: all of them);
 * ``Fck s, Fn s+1 .. Fn j-1, <ops of j .. t>, <ops of s .. j-1>`` (:class:`Region`): stages
   ``s .. j-1`` keep only their input ``a_s`` and are recomputed following ``<ops of s .. j-1>``;
-* ``Fall s, B s`` / ``Loss`` (:class:`Leaf`) for a single stage.
+* ``Fall s k, B s`` or ``FB s`` / ``Loss`` (:class:`Leaf`) for a single stage.
 
 A segment is a *spine*: a sequence of top-level units (:class:`StoreUnit` and
 :class:`RegionUnit`) ending in a leaf.
@@ -21,10 +22,12 @@ from jaxremat.core.ops import Op, OpKind, ops_of
 
 @dataclass(frozen=True)
 class Store:
-    """Stage ``stage`` runs plainly, then ``rest`` (stages ``stage+1 .. t``)."""
+    """Stage ``stage`` runs plainly under store option ``option``, then ``rest`` (stages
+    ``stage+1 .. t``)."""
 
     stage: int
     rest: "Node"
+    option: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,12 @@ class Region:
 
 @dataclass(frozen=True)
 class Leaf:
-    """A single stage (``Fall s, B s``) or the loss (``stage == L``)."""
+    """A single stage, ``Fall s k, B s`` (``fused`` false) or ``FB s`` (``fused``), or the loss
+    (``stage == L``)."""
 
     stage: int
+    option: int = 0
+    fused: bool = False
 
 
 Node = Store | Region | Leaf
@@ -49,9 +55,10 @@ Node = Store | Region | Leaf
 
 @dataclass(frozen=True)
 class StoreUnit:
-    """A top-level piece of a spine: stage ``stage`` stored whole."""
+    """A top-level piece of a spine: stage ``stage`` stored under option ``option``."""
 
     stage: int
+    option: int = 0
 
     @property
     def start(self) -> int:
@@ -63,11 +70,11 @@ class StoreUnit:
 
     def moved(self, at: int) -> "StoreUnit":
         """The same unit starting at stage ``at``."""
-        return StoreUnit(at)
+        return StoreUnit(at, self.option)
 
     def structure(self) -> tuple:
         """What the unit does, with stage indices relative to its start."""
-        return ("store",)
+        return ("store", self.option)
 
 
 @dataclass(frozen=True)
@@ -94,30 +101,38 @@ def parse(ops: Sequence[Op | tuple], L: int) -> Node:
     ops = ops_of(ops)
     pos = 0
 
-    def expect(kind: OpKind, i: int) -> None:
+    def expect(kind: OpKind, i: int) -> Op:
         nonlocal pos
-        if pos >= len(ops) or ops[pos] != (kind, i):
+        if pos >= len(ops) or ops[pos][:2] != (kind, i):
             got = ops[pos] if pos < len(ops) else "the end"
             raise ValueError(
                 f"not a persistent schedule: expected ({kind.value!r}, {i}) at op #{pos}, got {got}; "
                 "execute() runs the tree-shaped schedules that jaxremat's solvers produce"
             )
         pos += 1
+        return ops[pos - 1]
+
+    def at(kind: OpKind, i: int) -> bool:
+        return pos < len(ops) and ops[pos][:2] == (kind, i)
 
     def segment(s: int, t: int) -> Node:
         nonlocal pos
         if s == t:
             if s == L:
                 expect(OpKind.LOSS, L)
-            else:
-                expect(OpKind.FALL, s)
-                expect(OpKind.B, s)
-            return Leaf(s)
-        if pos < len(ops) and ops[pos] == (OpKind.FALL, s):
+                return Leaf(s)
+            if at(OpKind.FB, s):
+                pos += 1
+                return Leaf(s, fused=True)
+            option = expect(OpKind.FALL, s).option
+            expect(OpKind.B, s)
+            return Leaf(s, option)
+        if at(OpKind.FALL, s):
+            option = ops[pos].option
             pos += 1
             rest = segment(s + 1, t)
             expect(OpKind.B, s)
-            return Store(s, rest)
+            return Store(s, rest, option)
         expect(OpKind.FCK, s)
         j = s + 1
         while pos < len(ops) and ops[pos] == (OpKind.FN, j) and j < t:
@@ -138,7 +153,7 @@ def units(node: Node) -> tuple[list[Unit], Leaf]:
     spine: list[Unit] = []
     while not isinstance(node, Leaf):
         if isinstance(node, Store):
-            spine.append(StoreUnit(node.stage))
+            spine.append(StoreUnit(node.stage, node.option))
         else:
             spine.append(RegionUnit(node.start, node.stop, node.inner))
         node = node.rest
@@ -148,18 +163,18 @@ def units(node: Node) -> tuple[list[Unit], Leaf]:
 def shape(node: Node, base: int) -> tuple:
     """The structure of a tree with stage indices relative to ``base``."""
     if isinstance(node, Leaf):
-        return ("leaf", node.stage - base)
+        return ("leaf", node.stage - base, node.option, node.fused)
     if isinstance(node, Store):
-        return ("store", node.stage - base, shape(node.rest, base))
+        return ("store", node.stage - base, node.option, shape(node.rest, base))
     return ("region", node.start - base, node.stop - base, shape(node.inner, base), shape(node.rest, base))
 
 
 def shift(node: Node, d: int) -> Node:
     """``node`` with every stage index moved by ``d``."""
     if isinstance(node, Leaf):
-        return Leaf(node.stage + d)
+        return Leaf(node.stage + d, node.option, node.fused)
     if isinstance(node, Store):
-        return Store(node.stage + d, shift(node.rest, d))
+        return Store(node.stage + d, shift(node.rest, d), node.option)
     return Region(node.start + d, node.stop + d, shift(node.inner, d), shift(node.rest, d))
 
 
@@ -167,16 +182,20 @@ def build(spine: Sequence[Unit], leaf: Leaf) -> Node:
     """The tree of a spine (the inverse of :func:`units`)."""
     node: Node = leaf
     for u in reversed(spine):
-        node = Store(u.stage, node) if isinstance(u, StoreUnit) else Region(u.start, u.stop, u.inner, node)
+        node = Store(u.stage, node, u.option) if isinstance(u, StoreUnit) else Region(u.start, u.stop, u.inner, node)
     return node
 
 
 def to_ops(node: Node, L: int) -> list[Op]:
     """The op list of a tree (the inverse of :func:`parse`)."""
     if isinstance(node, Leaf):
-        return [Op(OpKind.LOSS, L)] if node.stage == L else [Op(OpKind.FALL, node.stage), Op(OpKind.B, node.stage)]
+        if node.stage == L:
+            return [Op(OpKind.LOSS, L)]
+        if node.fused:
+            return [Op(OpKind.FB, node.stage)]
+        return [Op(OpKind.FALL, node.stage, node.option), Op(OpKind.B, node.stage)]
     if isinstance(node, Store):
-        return [Op(OpKind.FALL, node.stage), *to_ops(node.rest, L), Op(OpKind.B, node.stage)]
+        return [Op(OpKind.FALL, node.stage, node.option), *to_ops(node.rest, L), Op(OpKind.B, node.stage)]
     return [
         Op(OpKind.FCK, node.start),
         *[Op(OpKind.FN, j) for j in range(node.start + 1, node.stop)],

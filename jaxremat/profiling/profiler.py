@@ -9,17 +9,18 @@ from typing import Any
 
 import jax
 
-from jaxremat.core.costs import ChainCosts
+from jaxremat.core.costs import ChainCosts, StageOption
+from jaxremat.core.policies import Policies, policies_of
 from jaxremat.core.units import format_bytes
 from jaxremat.model.chain import Chain
-from jaxremat.model.identity import stage_identity
+from jaxremat.model.identity import function_key, stage_identity
 from jaxremat.model.trees import tree_bytes
 from jaxremat.profiling import cache as disk_cache
 from jaxremat.profiling.rates import Rates, device_rates
 from jaxremat.profiling.stage import StageProfile, profile_stage
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5  # 5: store options, FB, backward timed from its residuals in interleaved rounds
 
 
 @contextlib.contextmanager
@@ -45,15 +46,20 @@ def profile_stages(
     repeats: int = 5,
     cache: bool | None = None,
     quiet: bool = False,
+    policies: Policies = None,
 ) -> tuple[ChainCosts, list[StageProfile]]:
     """Profile every stage of ``chain`` on inputs shaped like ``sample``.
 
     ``x`` comes from the shapes, ``xbar`` from the bytes XLA keeps across an optimisation
     barrier between each stage's forward and backward, ``fwd_tmp`` / ``bwd_tmp`` from the
     compiled temp memory of the stage's forward and of its backward, times from wall-clock
-    medians (``"measure"``: the forward alone, and the forward-plus-backward minus it) or from
-    the compiled flops and bytes against device rates (``"xla"``, deterministic given
-    ``rates``; measured once by :func:`measure_rates` when not given).
+    medians over ``repeats`` interleaved rounds (``"measure"``: the forward, the backward from
+    its residuals, the two fused) or from the compiled flops and bytes against device rates
+    (``"xla"``, deterministic given ``rates``; measured once by :func:`measure_rates` when not
+    given). Each stage is also measured under every checkpoint policy of ``policies`` (its store
+    options; by default ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``, see
+    :mod:`jaxremat.core.policies`; ``()`` for none), options no better than another of the same
+    stage dropped, and as ``FB`` (its forward fused with its backward).
 
     Identical stages (same structure, variable shapes and input shapes) are measured once.
     Results are cached on disk (:mod:`jaxremat.cache`) unless ``cache=False`` or
@@ -70,6 +76,9 @@ def profile_stages(
     per_stage = chain.split(variables)
     scanned = [chain.group_of(i) is not None for i in range(len(chain))]
     use_disk = disk_cache.enabled(cache)
+    measured = policies_of(policies)
+    policy_keys = [(name, function_key(p), repr([c.cell_contents for c in p.__closure__ or ()]) if hasattr(p, "__closure__") else repr(p))
+                   for name, p in measured.items()]
     seen: dict[str, StageProfile] = {}  # identical stages are measured once
     stages: list[StageProfile] = []
     with _progress(len(chain), quiet) as advance:
@@ -77,19 +86,20 @@ def profile_stages(
             key = disk_cache.make_key(
                 "stage", PROFILE_VERSION, i == 0, scanned[i], stage_identity(st, v, shapes[i]), method,
                 None if rates is None else dataclasses.asdict(rates), repeats if method == "measure" else 0,
-                jax.default_backend(), jax.__version__,
+                jax.default_backend(), jax.__version__, policy_keys,
             )
             prof = seen.get(key)
             if prof is None and use_disk and st.key:
                 entry = disk_cache.load(key)
                 if entry is not None:
                     try:
-                        prof = StageProfile(**entry)
+                        prof = StageProfile.from_dict(entry)
                     except TypeError:
                         prof = None
             if prof is None:
                 prof = profile_stage(
-                    st, v, shapes[i], method=method, rates=rates, repeats=repeats, input_grad=i > 0, scanned=scanned[i]
+                    st, v, shapes[i], method=method, rates=rates, repeats=repeats, input_grad=i > 0, scanned=scanned[i],
+                    policies=measured,
                 )
                 if use_disk and st.key:
                     disk_cache.store(key, dataclasses.asdict(prof))
@@ -108,29 +118,53 @@ def profile_stages(
         bwd_flops=[p.bwd_flops for p in stages],
         fwd_bytes=[p.fwd_bytes for p in stages],
         bwd_bytes=[p.bwd_bytes for p in stages],
+        fb=[p.fb_time for p in stages],
+        fb_flops=[p.fb_flops for p in stages],
+        fb_tmp=[p.fb_tmp for p in stages],
+        options=[useful_options(p) for p in stages] if measured else None,
     )
     return costs, stages
 
 
+def useful_options(p: StageProfile) -> tuple[StageOption, ...]:
+    """A stage's measured store options without those no better than another of the stage (no
+    less ``xbar``, ``bwd`` and ``bwd_tmp``; store-all is option 0 and always kept)."""
+    every = [StageOption("store_all", p.xbar, p.bwd_time, p.bwd_tmp)] + [
+        StageOption(o.name, o.xbar, o.bwd_time, o.bwd_tmp, o.bwd_flops) for o in p.options
+    ]
+
+    def beaten(k: int) -> bool:
+        o = every[k]
+        return any(
+            q.xbar <= o.xbar and q.bwd <= o.bwd and q.bwd_tmp <= o.bwd_tmp and (j < k or (q.xbar, q.bwd, q.bwd_tmp) != (o.xbar, o.bwd, o.bwd_tmp))
+            for j, q in enumerate(every) if j != k
+        )
+
+    return tuple(o for k, o in enumerate(every) if k > 0 and not beaten(k))
+
+
 def profile(chain: Chain, variables: Any, sample: Any, **options: Any) -> ChainCosts:
     """The :class:`~jaxremat.ChainCosts` of ``chain``; ``options`` as for :func:`profile_stages`
-    (``method``, ``rates``, ``repeats``, ``cache``, ``quiet``)."""
+    (``method``, ``rates``, ``repeats``, ``cache``, ``quiet``, ``policies``)."""
     return profile_stages(chain, variables, sample, **options)[0]
 
 
 def report(stages: list[StageProfile]) -> str:
     """A table of the profile: per stage name, module type, output shape, sizes, temps and times."""
-    head = ("stage", "type", "output", "x", "xbar", "fwd_tmp", "bwd_tmp", "fwd ms", "bwd ms")
+    head = ("stage", "type", "output", "x", "xbar", "fwd_tmp", "bwd_tmp", "fwd ms", "bwd ms", "FB ms", "FB tmp", "options: xbar / bwd ms")
     rows = [
         (
             p.name, p.kind, p.out_shape, format_bytes(p.x_out), format_bytes(p.xbar), format_bytes(p.fwd_tmp),
-            format_bytes(p.bwd_tmp), f"{1e3 * p.fwd_time:.3f}", f"{1e3 * p.bwd_time:.3f}",
+            format_bytes(p.bwd_tmp), f"{1e3 * p.fwd_time:.3f}", f"{1e3 * p.bwd_time:.3f}", f"{1e3 * p.fb_time:.3f}",
+            format_bytes(p.fb_tmp), "; ".join(f"{o.name} {format_bytes(o.xbar)} / {1e3 * o.bwd_time:.3f}" for o in p.options),
         )
         for p in stages
     ]
     widths = [max(len(str(r[k])) for r in [head, *rows]) for k in range(len(head))]
     fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows])
+    flags = [f"  {p.name}: {f}" for p in stages for f in p.flags]
+    tail = ["", "measurements to doubt (timed again, still suspect):", *flags] if flags else []
+    return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows] + tail)
 
 
 __all__ = ["PROFILE_VERSION", "profile", "profile_stages", "report"]

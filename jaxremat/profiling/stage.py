@@ -14,7 +14,8 @@ from jax.extend import core as jax_core
 from jaxremat.core.compile import REMAT_OPTIONS
 from jaxremat.model.stage import Stage
 from jaxremat.model.trees import abstract, tree_bytes
-from jaxremat.profiling.rates import Rates, median_time
+from jaxremat.profiling.rates import Rates
+from jaxremat.profiling.timing import check_against_flops
 from jaxremat.profiling.xla_buffers import bytes_kept_across_barrier, transient_bytes
 
 
@@ -34,6 +35,31 @@ class StageProfile:
     fwd_bytes: float
     bwd_bytes: float
     fwd_time: float
+    bwd_time: float
+    fb_time: float = 0.0  # FB: the forward fused with the backward
+    fb_tmp: int = 0
+    fb_flops: float = 0.0
+    options: tuple["OptionProfile", ...] = ()
+    flags: tuple[str, ...] = ()  # measurements to doubt (a backward far below its flops' share)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageProfile":
+        """From :func:`dataclasses.asdict` output (a cache entry)."""
+        d = dict(d)
+        d["options"] = tuple(OptionProfile(**o) for o in d.get("options", ()))
+        d["flags"] = tuple(d.get("flags", ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class OptionProfile:
+    """A stage measured under a checkpoint policy: a store option."""
+
+    name: str
+    xbar: int
+    bwd_tmp: int
+    bwd_flops: float
+    bwd_bytes: float
     bwd_time: float
 
 
@@ -101,24 +127,14 @@ def scan_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: 
     return total
 
 
-def profile_stage(
-    st: Stage, variables: dict, a_shape: Any, *, method: str, rates: Rates | None, repeats: int = 5,
-    input_grad: bool = True, scanned: bool = False,
-) -> StageProfile:
-    """Measure one stage. ``input_grad=False`` (the chain's first stage) leaves the input's
-    gradient out of the backward, as a training step never computes it. ``scanned=True`` (a
-    :class:`~jaxremat.Repeat`'s copies, stored inside a loop) counts in ``xbar`` at least what
-    the loop saves (:func:`scan_residual_bytes`)."""
-    g = _stage_fn(st)
-    params, rest = _split_params(abstract(variables))  # shapes only: works under a trace
-    rng = jax.random.key(0)
-    out_shape = jax.eval_shape(g, params, a_shape, rest, rng)
-    cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), out_shape)
+def _backward(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_shape: Any, input_grad: bool, scanned: bool):
+    """For ``g`` (the stage, or the stage under a checkpoint policy): the bytes kept for its
+    backward (output included), the compiled backward (from the residuals and the cotangent), its
+    transient bytes, and the pullback."""
     xbar = kept_bytes(g, params, a_shape, rest, rng, cot_shape)
     if scanned:
         xbar = max(xbar, scan_residual_bytes(g, params, a_shape, rest, rng))
 
-    fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(REMAT_OPTIONS)
     def pullback(p, x, r, k):
         if input_grad:
             return jax.vjp(lambda p, x: g(p, x, r, k), p, x)[1]
@@ -126,26 +142,81 @@ def profile_stage(
 
     vjp_shape = jax.eval_shape(pullback, params, a_shape, rest, rng)
     bwd_c, bwd_tmp = transient_bytes(lambda f, c: f(c), vjp_shape, cot_shape)
-    ff, fb = _cost(fwd_c)
+    return int(xbar), bwd_c, int(bwd_tmp), pullback
+
+
+def _from_residuals(pullback: Callable, p: Any, a: Any, r: Any, rng: Any, cot: Any) -> tuple[Callable, tuple]:
+    """The backward as a program of its residuals and the cotangent, with concrete residuals."""
+    leaves, tree = jax.tree.flatten(pullback(p, a, r, rng))
+    return jax.jit(lambda leaves, c: tree.unflatten(leaves)(c)), (leaves, cot)
+
+
+def profile_stage(
+    st: Stage, variables: dict, a_shape: Any, *, method: str, rates: Rates | None, repeats: int = 5,
+    input_grad: bool = True, scanned: bool = False, policies: dict[str, Callable] | None = None,
+) -> StageProfile:
+    """Measure one stage: stored whole, under each checkpoint policy of ``policies`` (its store
+    options), and fused forward-backward (``FB``). ``input_grad=False`` (the chain's first
+    stage) leaves the input's gradient out of the backward, as a training step never computes it.
+    ``scanned=True`` (a :class:`~jaxremat.Repeat`'s copies, stored inside a loop) counts in
+    ``xbar`` at least what the loop saves (:func:`scan_residual_bytes`).
+
+    ``FB``'s bytes are the transient bytes of the stage's forward and backward compiled as one
+    program (beyond its inputs and outputs, inputs credited once XLA frees them), its time that
+    program's. With ``method="measure"`` every program is timed in interleaved rounds
+    (:mod:`~jaxremat.profiling.timing`): the forward, the backward from its residuals, ``FB``, and
+    each option's backward."""
+    g = _stage_fn(st)
+    params, rest = _split_params(abstract(variables))  # shapes only: works under a trace
+    rng = jax.random.key(0)
+    out_shape = jax.eval_shape(g, params, a_shape, rest, rng)
+    cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), out_shape)
+    xbar, bwd_c, bwd_tmp, pullback = _backward(g, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
+    fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(REMAT_OPTIONS)
+    fb_c, fb_tmp = transient_bytes(lambda p, x, r, k, c: pullback(p, x, r, k)(c), params, a_shape, rest, rng, cot_shape)
+    opts, by_program = {}, {}
+    for name, policy in (policies or {}).items():
+        gk = jax.checkpoint(g, policy=policy)
+        # policies that save the same residuals here (dots_saveable and
+        # dots_with_no_batch_dims_saveable on a stage without batched matmuls) are measured once
+        program = str(jax.make_jaxpr(lambda p, x, r, k: jax.vjp(lambda p, x: gk(p, x, r, k), p, x))(params, a_shape, rest, rng))
+        if program not in by_program:
+            by_program[program] = _backward(gk, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
+        opts[name] = by_program[program]
+    ff, fbytes = _cost(fwd_c)
     bf, bb = _cost(bwd_c)
+    fbf, fbb = _cost(fb_c)
+    costs = {name: _cost(o[1]) for name, o in opts.items()}
+    flags: list[str] = []
     if method == "xla":
         assert rates is not None
-        ft = max(ff / rates.flops, fb / rates.bandwidth)
-        bt = max(bf / rates.flops, bb / rates.bandwidth)
+        roof = lambda flops, nbytes: max(flops / rates.flops, nbytes / rates.bandwidth)  # noqa: E731
+        ft, bt, fbt = roof(ff, fbytes), roof(bf, bb), roof(fbf, fbb)
+        opt_t = {name: roof(*c) for name, c in costs.items()}
     else:
         concrete = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
-        a, params, rest = jax.tree.map(concrete, (a_shape, params, rest))
+        a, p, r = jax.tree.map(concrete, (a_shape, params, rest))
         cot = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), cot_shape)
-        ft = median_time(fwd_c, params, a, rest, rng, repeats=repeats)
-        both = jax.jit(lambda p, x, r, k, c: pullback(p, x, r, k)(c))
-        bt = max(median_time(both, params, a, rest, rng, cot, repeats=repeats) - ft, 0.0)
+        programs = {"forward": (fwd_c, (p, a, r, rng)), "backward": _from_residuals(pullback, p, a, r, rng, cot),
+                    "FB": (fb_c, (p, a, r, rng, cot))}
+        flops = {"forward": ff, "backward": bf, "FB": fbf}
+        for name, (_, _, _, pb) in opts.items():
+            programs[f"backward under {name}"] = _from_residuals(pb, p, a, r, rng, cot)
+            flops[f"backward under {name}"] = costs[name][0]
+        t, flags = check_against_flops(programs, repeats, flops, {n: "forward" for n in programs if n.startswith("backward")})
+        ft, bt, fbt = t["forward"], t["backward"], t["FB"]
+        opt_t = {name: t[f"backward under {name}"] for name in opts}
     shape_txt = str(jax.tree.map(lambda s: tuple(s.shape), out_shape))
     return StageProfile(
-        name=st.name, kind=st.kind, out_shape=shape_txt, x_out=tree_bytes(out_shape), xbar=int(xbar),
-        fwd_tmp=int(fwd_c.memory_analysis().temp_size_in_bytes),
-        bwd_tmp=int(bwd_tmp),
-        fwd_flops=ff, bwd_flops=bf, fwd_bytes=fb, bwd_bytes=bb, fwd_time=ft, bwd_time=bt,
+        name=st.name, kind=st.kind, out_shape=shape_txt, x_out=tree_bytes(out_shape), xbar=xbar,
+        fwd_tmp=int(fwd_c.memory_analysis().temp_size_in_bytes), bwd_tmp=bwd_tmp,
+        fwd_flops=ff, bwd_flops=bf, fwd_bytes=fbytes, bwd_bytes=bb, fwd_time=ft, bwd_time=bt,
+        fb_time=fbt, fb_tmp=int(fb_tmp), fb_flops=fbf,
+        options=tuple(
+            OptionProfile(name, o[0], o[2], costs[name][0], costs[name][1], opt_t[name]) for name, o in opts.items()
+        ),
+        flags=tuple(flags),
     )
 
 
-__all__ = ["StageProfile", "kept_bytes", "profile_stage", "scan_residual_bytes"]
+__all__ = ["OptionProfile", "StageProfile", "kept_bytes", "profile_stage", "scan_residual_bytes"]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxremat.core.compile import warn_unless_planned
+from jaxremat.core.policies import Policy
 from jaxremat.core.tree import Node, StoreUnit, Unit, units
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs, stage_rngs
@@ -26,8 +27,12 @@ class Walker:
     step); ``None`` and ``False`` do not.
     """
 
-    def __init__(self, chain: Chain, rngs: Rngs, cut: Cut, loops: LoopPlan, alike: Alike, scan: bool | None):
+    def __init__(
+        self, chain: Chain, rngs: Rngs, cut: Cut, loops: LoopPlan, alike: Alike, scan: bool | None,
+        policies: dict[tuple[int, int], Policy],
+    ):
         self.chain, self.rngs, self.cut, self.loops, self.alike, self.scan = chain, rngs, cut, loops, alike, scan
+        self.policies = policies  # (stage, store option) -> the checkpoint policy it runs under
         self.L = len(chain)
 
     # -- one stage, one unit ---------------------------------------------------------------------
@@ -40,15 +45,20 @@ class Walker:
             return env.keys[i]
         return stage_rngs(self.rngs, i + (env.offset if env is not None else 0))
 
-    def stage(self, i: int, a: Any, updates: dict, env: Env | None) -> Any:
-        out, new = self.chain.stages[i].apply(self.variables(i, env), a, self.keys(i, env))
+    def stage(self, i: int, a: Any, updates: dict, env: Env | None, option: int = 0) -> Any:
+        """Stage ``i`` stored under ``option``: 0 keeps every residual, another runs the stage
+        under ``jax.checkpoint`` with the option's policy (its backward recomputes the rest)."""
+        apply = self.chain.stages[i].apply
+        if option:
+            apply = jax.checkpoint(apply, policy=self.policies[(i, option)])
+        out, new = apply(self.variables(i, env), a, self.keys(i, env))
         if new:
             updates[i] = new
         return out
 
     def unit(self, unit: Unit, a: Any, updates: dict, env: Env | None) -> Any:
         if isinstance(unit, StoreUnit):
-            return self.stage(unit.stage, a, updates, env)
+            return self.stage(unit.stage, a, updates, env, unit.option)
         # everything the region reads is an explicit input (no closure over traced values), so
         # that its recomputation can run in the backward pass, after the cotangent arrives
         span = range(unit.start, unit.stop)
@@ -75,8 +85,8 @@ class Walker:
         else:
             for unit in spine:
                 a = self.unit(unit, a, updates, env)
-        if leaf.stage < min(self.L, stop):
-            a = self.stage(leaf.stage, a, updates, env)
+        if leaf.stage < min(self.L, stop):  # FB or Fall; B: the stage's forward right before its backward
+            a = self.stage(leaf.stage, a, updates, env, leaf.option)
         return a
 
     def top(self, a: Any, updates: dict) -> Any:

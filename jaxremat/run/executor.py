@@ -12,8 +12,9 @@ one ``lax.scan`` over its stacked variables. On the CPU compile the step with
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
+from jaxremat.core.policies import Policy, resolve
 from jaxremat.core.schedule import Schedule
 from jaxremat.core.tree import parse, units
 from jaxremat.model.chain import Chain
@@ -33,11 +34,15 @@ def _warn_copies(layer: int) -> None:
     )
 
 
-def execute(chain: Chain, schedule: Schedule, *, scan: bool | None = None) -> Callable[..., tuple[Any, Any]]:
+def execute(
+    chain: Chain, schedule: Schedule, *, scan: bool | None = None, policies: Mapping[str, Policy] | None = None
+) -> Callable[..., tuple[Any, Any]]:
     """``f(variables, x, rngs=None) -> (output, updated_collections)`` whose gradient follows
-    ``schedule``: stored stages keep their residuals, checkpoint regions keep only their input
-    and are recomputed in the schedule's order. ``updated_collections`` (e.g. ``batch_stats``)
-    are per stage index, each updated once per step.
+    ``schedule``: stored stages keep their residuals (all of them, or those their store option's
+    checkpoint policy saves), checkpoint regions keep only their input and are recomputed in the
+    schedule's order. ``updated_collections`` (e.g. ``batch_stats``) are per stage index, each
+    updated once per step. ``policies`` names the checkpoint policies of store options that are
+    not built in (:mod:`jaxremat.core.policies`).
 
     Runs of alike units (same structure over stages with the same identity) run as one
     ``lax.scan``, so that tracing and compiling stay flat with depth:
@@ -54,6 +59,11 @@ def execute(chain: Chain, schedule: Schedule, *, scan: bool | None = None) -> Ca
         raise ValueError(f"the schedule is for a chain of {schedule.costs.length} stages; this chain has {L}")
     tree = parse(schedule.ops, L)
     spine, _ = units(tree)
+    used = {(op.stage, op.option) for op in schedule.ops if op.option}
+    resolved = {
+        (i, k): resolve(schedule.costs.option(i, k).name, policies, f"stage {i} ({chain.stages[i].name}), option {k},")
+        for i, k in sorted(used)
+    }
 
     def forward(variables: Any, x: Any, rngs: Rngs = None) -> tuple[Any, Any]:
         shapes = chain.stage_shapes(variables)  # the loops depend on the variables' shapes
@@ -62,7 +72,7 @@ def execute(chain: Chain, schedule: Schedule, *, scan: bool | None = None) -> Ca
         for layer in loops.sliced_layers:
             _warn_copies(layer)
         updates: dict[int, Any] = {}
-        walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan)
+        walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, resolved)
         return walker.run(tree, L, x, updates), updates
 
     return forward

@@ -107,6 +107,8 @@ def selective_flags(units: Sequence[Unit], start: int, stop: int) -> tuple[bool,
     inside = _inside(units, start, stop)
     if len(inside) != stop - start or any((u.start, u.stop) != (start + q, start + q + 1) for q, u in enumerate(inside)):
         return None
+    if any(isinstance(u, StoreUnit) and u.option for u in inside):
+        return None  # a selective loop stores whole copies only (store option 0)
     flags = tuple(isinstance(u, StoreUnit) for u in inside)
     return flags if runs_selective(flags) else None
 

@@ -3,6 +3,10 @@
 The dynamic program works on a chain extended with the loss as stage ``L``: ``x[L+1] = 0`` and
 stage ``L`` has zero store-all size, times and temporaries, so the base case ``s == t == L``
 reads "the loss needs ``x[L]`` free". All arrays here use that extension.
+
+Store options (``docs/cost_model.md``) are a leading axis ``K`` of ``xbar``, ``bwd`` and
+``bwd_tmp``; a stage with fewer options has the missing ones at :data:`ABSENT` bytes (they never
+fit) and infinite time.
 """
 
 from __future__ import annotations
@@ -14,48 +18,66 @@ import numpy as np
 from jaxremat.core.costs import ChainCosts
 
 
+ABSENT = np.iinfo(np.int64).max // 16  # the size of a store option a stage does not have
+
+
 @dataclass(frozen=True, eq=False)
 class SlotChain:
     """A chain's sizes in whole slots (or in bytes when ``slots`` is None), extended by the loss.
 
-    ``x`` has ``L+2`` entries, the others ``L+1``; sizes above ``slots`` are clipped to
-    ``slots + 1`` (they can never fit, and clipping keeps sums small).
+    ``x`` has ``L+2`` entries; ``xbar``, ``bwd_tmp`` and ``bwd`` are ``(K, L+1)`` (one row per
+    store option), the others ``L+1``; sizes above ``slots`` are clipped to ``slots + 1`` (they
+    can never fit, and clipping keeps sums small).
     """
 
     L: int
     slots: int | None
     x: np.ndarray
-    xbar: np.ndarray
+    xbar: np.ndarray  # (K, L+1)
     fwd_tmp: np.ndarray
-    bwd_tmp: np.ndarray
+    bwd_tmp: np.ndarray  # (K, L+1)
     fwd: np.ndarray  # float64, L+1
-    bwd: np.ndarray  # float64, L+1
+    bwd: np.ndarray  # float64, (K, L+1); inf where a stage lacks the option
+    fb: np.ndarray  # float64, L+1: time of FB s
+    fb_tmp: np.ndarray  # L+1: bytes of FB s beyond a_s, delta_{s+1}, delta_s
+
+    @property
+    def K(self) -> int:
+        return self.xbar.shape[0]
 
 
 def _ceil_slots(sizes: np.ndarray, mem: int, slots: int) -> np.ndarray:
     """``ceil(size * slots / mem)`` in exact integer arithmetic, clipped to ``slots + 1``."""
+    sizes = np.asarray(sizes, dtype=np.int64)
     if mem <= 0:
         return np.where(sizes == 0, 0, slots + 1).astype(np.int64)
-    sizes = np.asarray(sizes, dtype=np.int64)
     if int(sizes.max(initial=0)) < (1 << 62) // max(slots, 1):  # exact in int64
         return np.minimum(-((-sizes * slots) // mem), slots + 1)
-    out = [min(-((-int(v) * slots) // mem), slots + 1) for v in sizes]
-    return np.array(out, dtype=np.int64)
+    out = [min(-((-int(v) * slots) // mem), slots + 1) for v in sizes.ravel()]
+    return np.array(out, dtype=np.int64).reshape(sizes.shape)
 
 
 def extend(costs: ChainCosts) -> SlotChain:
-    """The chain in bytes, extended by the loss stage."""
+    """The chain in bytes, extended by the loss stage (which has option 0 only, all zeros)."""
     z = np.zeros(1, dtype=np.int64)
     zf = np.zeros(1)
+    xbar, bwd, bwd_tmp, exists = costs.option_arrays()
+    K = xbar.shape[0]
+    loss = np.zeros((K, 1), bool)
+    loss[0] = True
+    exists = np.concatenate([exists, loss], axis=1)
+    pad = lambda a, dtype: np.concatenate([a, np.zeros((K, 1), dtype)], axis=1)  # noqa: E731
     return SlotChain(
         L=costs.length,
         slots=None,
         x=np.concatenate([costs.x, z]),
-        xbar=np.concatenate([costs.xbar, z]),
+        xbar=np.where(exists, pad(xbar, np.int64), ABSENT),
         fwd_tmp=np.concatenate([costs.fwd_tmp, z]),
-        bwd_tmp=np.concatenate([costs.bwd_tmp, z]),
+        bwd_tmp=np.where(exists, pad(bwd_tmp, np.int64), ABSENT),
         fwd=np.concatenate([costs.fwd, zf]),
-        bwd=np.concatenate([costs.bwd, zf]),
+        bwd=np.where(exists, pad(bwd, np.float64), np.inf),
+        fb=np.concatenate([costs.fb, zf]),
+        fb_tmp=np.concatenate([costs.fb_tmp, z]),
     )
 
 
@@ -72,7 +94,31 @@ def discretise(costs: ChainCosts, budget: int, slots: int) -> SlotChain:
         bwd_tmp=_ceil_slots(b.bwd_tmp, mem, slots),
         fwd=b.fwd,
         bwd=b.bwd,
+        fb=b.fb,
+        fb_tmp=_ceil_slots(b.fb_tmp, mem, slots),
     )
+
+
+def base_need(c: SlotChain) -> np.ndarray:
+    """``(K + 1, L + 1)``: the memory the base case ``s == t`` needs with each store option
+    (``Fall s k; B s``, rows ``0 .. K-1``) and with ``FB s`` (row ``K``), ``δ_{s+1}`` included."""
+    s = np.arange(c.L + 1)
+    x0, x1 = c.x[s], c.x[s + 1]
+    stored = np.maximum(x1 + c.xbar + c.fwd_tmp, x0 + x1 + c.xbar + c.bwd_tmp)
+    return np.concatenate([stored, (x1 + x0 + c.fb_tmp)[None, :]])
+
+
+def base_time(c: SlotChain) -> np.ndarray:
+    """``(K + 1, L + 1)``: the base case's time with each store option and with ``FB s``."""
+    return np.concatenate([c.fwd[None, :] + c.bwd, c.fb[None, :]])
+
+
+def store_need(c: SlotChain) -> tuple[np.ndarray, np.ndarray]:
+    """For the store-all branch of ``(s, t)`` with option ``k``: ``(K, L+1)`` memory the
+    backward ``B s`` needs (``x[s] + x[s+1] + xbar + bwd_tmp``), and the forward's need beyond
+    ``x[t+1]`` (``xbar + fwd_tmp``)."""
+    s = np.arange(c.L + 1)
+    return c.x[s] + c.x[s + 1] + c.xbar + c.bwd_tmp, c.xbar + c.fwd_tmp
 
 
 def forward_thresholds(x: np.ndarray, fwd_tmp: np.ndarray, rows: int, cols: int) -> np.ndarray:
@@ -110,20 +156,20 @@ def least_memory(c: SlotChain) -> int:
     ``m`` with ``C(m, s, t)`` finite. Exact in the units given (bytes or slots).
     """
     L = c.L
-    x, xb, ft, bt = c.x, c.xbar, c.fwd_tmp, c.bwd_tmp
+    x, xb, ft = c.x, c.xbar, c.fwd_tmp
     T = forward_thresholds(x, ft, L + 1, L + 1)
     big = np.iinfo(np.int64).max // 8
     need = np.full((L + 2, L + 2), big, dtype=np.int64)  # need[s, length]
     s_all = np.arange(L + 1)
-    back = x[s_all] + x[s_all + 1] + xb + bt  # what B s needs
-    need[s_all, 0] = np.maximum(x[s_all + 1] + xb + ft, back)
+    back, fwd_need = store_need(c)  # (K, L+1) each
+    need[s_all, 0] = base_need(c).min(axis=0)
     for d in range(1, L + 1):
         s = np.arange(L - d + 1)
         t = s + d
         sa = np.maximum(
-            np.maximum(x[t + 1] + xb[s] + ft[s], back[s]),
-            xb[s] + need[s + 1, d - 1],
-        )
+            np.maximum(x[t + 1][None, :] + fwd_need[:, s], back[:, s]),
+            xb[:, s] + need[s + 1, d - 1][None, :],
+        ).min(axis=0)
         k = np.arange(d)[None, :]
         j = s[:, None] + k + 1
         ck = np.maximum(

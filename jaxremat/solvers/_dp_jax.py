@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxremat.solvers._discretise import SlotChain, forward_thresholds, forward_times
+from jaxremat.solvers._discretise import SlotChain, base_need, forward_thresholds, forward_times
 
 BS = 8  # start stages per block
 BK = 16  # split points per block
@@ -43,9 +43,11 @@ def bucket(L: int) -> int:
     return max(BUCKET, -(-(L + 1) // BUCKET) * BUCKET)
 
 
-def _pad(a: np.ndarray, n: int, dtype) -> np.ndarray:
-    out = np.zeros(n, dtype=dtype)
-    out[: len(a)] = a
+def _pad(a: np.ndarray, n: int, dtype, fill=0) -> np.ndarray:
+    """``a`` padded along its last axis to ``n`` entries of ``fill``."""
+    a = np.asarray(a)
+    out = np.full((*a.shape[:-1], n), fill, dtype=dtype)
+    out[..., : a.shape[-1]] = a
     return out
 
 
@@ -53,7 +55,9 @@ def prepare(c: SlotChain) -> dict[str, np.ndarray]:
     """Padded inputs of :func:`fill` for the slot chain ``c``."""
     Lb = bucket(c.L)
     nr = Lb + BS
-    fb = (c.fwd.astype(np.float32) + c.bwd.astype(np.float32)).astype(np.float32)
+    # store all under option k: Fall s k then B s, in float32 as the fill adds it
+    fb = (c.fwd.astype(np.float32)[None, :] + c.bwd.astype(np.float32)).astype(np.float32)
+    never = np.int32(c.slots + 1)  # padded stages and options never fit
     return dict(
         S=np.int32(c.slots),
         L=np.int32(c.L),
@@ -63,6 +67,8 @@ def prepare(c: SlotChain) -> dict[str, np.ndarray]:
         fwd_tmp=_pad(c.fwd_tmp, nr + 1, np.int32),
         bwd_tmp=_pad(c.bwd_tmp, nr + 1, np.int32),
         fb=_pad(fb, nr + 1, np.float32),
+        base_need=_pad(np.minimum(base_need(c), never), nr, np.int32, never),
+        base_time=_pad(np.concatenate([fb, c.fb.astype(np.float32)[None, :]]), nr, np.float32, np.inf),
         thr=forward_thresholds(c.x, c.fwd_tmp, nr, Lb + BK).astype(np.int32),
         F=forward_times(c.fwd, nr, Lb + BK).astype(np.float32),
     )
@@ -85,7 +91,7 @@ def _shift(rows: jax.Array, by: jax.Array, m: jax.Array) -> jax.Array:
 _CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_enable_fast_min_max": True}
 
 
-def fill(L, m, x, xbar, fwd_tmp, bwd_tmp, fb, thr, F, prune: bool = True) -> jax.Array:
+def fill(L, m, x, xbar, fwd_tmp, bwd_tmp, fb, base_need, base_time, thr, F, prune: bool = True) -> jax.Array:
     """Fill the table; return ``A`` (see the module docstring for its layout).
 
     Order: blocks of ``BS`` starts from the chain's end backwards, and for each block the
@@ -95,10 +101,10 @@ def fill(L, m, x, xbar, fwd_tmp, bwd_tmp, fb, thr, F, prune: bool = True) -> jax
     outermost would stream the whole table from memory once per length.
     """
     S1 = m.shape[0]
-    nr = xbar.shape[0] - 1
+    K, nr = xbar.shape[0], xbar.shape[1] - 1
     Lb = nr - BS
     s = jnp.arange(nr)
-    back = x[s] + x[s + 1] + xbar[s] + bwd_tmp[s]  # what B s needs, beyond a_s
+    back = x[s][None, :] + x[s + 1][None, :] + xbar[:, s] + bwd_tmp[:, s]  # what B s needs, per option
     a_idx = jnp.arange(BS)
     b_idx = jnp.arange(BK)
     m_chunk = jnp.arange(MC)
@@ -123,10 +129,13 @@ def fill(L, m, x, xbar, fwd_tmp, bwd_tmp, fb, thr, F, prune: bool = True) -> jax
         """``C(s, s + d)`` for the block of starts at ``s0``."""
         A, T = AT
         ss = s0 + a_idx
-        # store all: Fall s, then (s+1 .. t) in m - xbar[s], then B s.
-        nxt = _shift(lax.dynamic_slice(A, (s0 + 1, d - 1, 0), (BS, 1, S1))[:, 0, :], xbar[ss], m)
-        sa_ok = (m[None, :] >= (x[ss + d + 1] + xbar[ss] + fwd_tmp[ss])[:, None]) & (m[None, :] >= back[ss][:, None])
-        best = jnp.where(sa_ok, fb[ss][:, None] + nxt, jnp.inf)
+        # store all under option k: Fall s k, then (s+1 .. t) in m - xbar[k, s], then B s.
+        rest = lax.dynamic_slice(A, (s0 + 1, d - 1, 0), (BS, 1, S1))[:, 0, :]
+        best = jnp.full((BS, S1), jnp.inf, jnp.float32)
+        for k in range(K):  # few options: unrolled
+            nxt = _shift(rest, xbar[k, ss], m)
+            sa_ok = (m[None, :] >= (x[ss + d + 1] + xbar[k, ss] + fwd_tmp[ss])[:, None]) & (m[None, :] >= back[k, ss][:, None])
+            best = jnp.minimum(best, jnp.where(sa_ok, fb[k, ss][:, None] + nxt, jnp.inf))
         valid = ss <= L - d
 
         def block(kb, acc):
@@ -165,9 +174,9 @@ def fill(L, m, x, xbar, fwd_tmp, bwd_tmp, fb, thr, F, prune: bool = True) -> jax
         best = lax.fori_loop(0, (d + BK - 1) // BK, block, best)
         return store(A, T, s0, d, best)
 
-    # d = 0: C(s, s) = fwd + bwd when Fall s and B s fit (s = L: the loss, needs x[L]).
-    base_need = jnp.maximum(x[s + 1] + xbar[s] + fwd_tmp[s], back)
-    base = jnp.where((m[None, :] >= base_need[:, None]) & (s <= L)[:, None], fb[s][:, None], jnp.inf)
+    # d = 0: C(s, s) is the fastest of FB s and Fall s k; B s that fits (s = L: the loss, needs x[L]).
+    fits = m[None, None, :] >= base_need[:, :, None]
+    base = jnp.where(fits & (s <= L)[None, :, None], base_time[:, :, None], jnp.inf).min(axis=0)
     A = jnp.full((nr, Lb + BK, S1), jnp.inf, jnp.float32)
     A = A.at[:, 0, :].set(base)
     moved = _shift(base, x[s], m)  # C(s, s) in the end-major triangle: row s, column Lb
@@ -194,7 +203,7 @@ def compile_count() -> int:
     return _compiled.cache_info().currsize
 
 
-_ORDER = ("L", "m", "x", "xbar", "fwd_tmp", "bwd_tmp", "fb", "thr", "F")
+_ORDER = ("L", "m", "x", "xbar", "fwd_tmp", "bwd_tmp", "fb", "base_need", "base_time", "thr", "F")
 
 
 def table(c: SlotChain, *, prune: bool = True) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from jaxremat.core.ops import Op, OpKind
 
 TIE = 8 * float(np.finfo(np.float32).eps)
+
+
+class _Node(NamedTuple):
+    """The segment ``s .. t`` with ``m`` slots, still to expand."""
+
+    s: int
+    t: int
+    m: int
+
+
+def base_choice(args: dict[str, np.ndarray], s: int, m: int) -> int:
+    """The base case's choice at ``(s, s)`` with ``m`` slots: an option ``k`` (``Fall s k; B s``)
+    or ``K`` (``FB s``); on equal times ``FB`` (what XLA runs), then the lowest option."""
+    need, time = args["base_need"][:, s], args["base_time"][:, s]
+    ok = m >= need
+    if not ok.any():
+        raise AssertionError(f"DP table has no finite base option at s={s}, m={m}")
+    t = np.where(ok, time, np.float32(np.inf))
+    best = t.min()
+    K = len(t) - 1
+    return K if t[K] == best else int(np.argmax(t == best))
 
 
 def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray]) -> list[Op]:
@@ -19,30 +42,36 @@ def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray]) -> list[Op]:
     S = int(args["S"])
     x, xbar, ftmp = args["x"], args["xbar"], args["fwd_tmp"]
     fb, thr, F = args["fb"], args["thr"], args["F"]
-    back = x[: L + 1] + x[1 : L + 2] + xbar[: L + 1] + args["bwd_tmp"][: L + 1]
+    K = xbar.shape[0]
+    back = x[None, : L + 1] + x[None, 1 : L + 2] + xbar[:, : L + 1] + args["bwd_tmp"][:, : L + 1]
     ops: list[Op] = []
-    stack: list[tuple] = [("node", 0, L, S)]
+    stack: list[_Node | Op] = [_Node(0, L, S)]
     while stack:
         item = stack.pop()
-        if item[0] == "op":
-            ops.append(item[1])
+        if isinstance(item, Op):
+            ops.append(item)
             continue
-        _, s, t, m = item
+        s, t, m = item
         if s == t:
-            ops.extend([Op(OpKind.LOSS, L)] if s == L else [Op(OpKind.FALL, s), Op(OpKind.B, s)])
+            if s == L:
+                ops.append(Op(OpKind.LOSS, L))
+            else:
+                k = base_choice(args, s, m)
+                ops.extend([Op(OpKind.FB, s)] if k == K else [Op(OpKind.FALL, s, k), Op(OpKind.B, s)])
             continue
         d = t - s
         best, choice = np.float32(np.inf), None
-        if m >= x[t + 1] + xbar[s] + ftmp[s] and m >= back[s] and m >= xbar[s]:
-            v = fb[s] + A[s + 1, d - 1, m - xbar[s]]
-            if v < best:
-                best, choice = v, ("store",)
-        k = np.arange(d)
-        j = s + k + 1
+        for k in range(K):
+            if m >= x[t + 1] + xbar[k, s] + ftmp[s] and m >= back[k, s] and m >= xbar[k, s]:
+                v = fb[k, s] + A[s + 1, d - 1, m - xbar[k, s]]
+                if v < best:
+                    best, choice = v, ("store", k)
+        q = np.arange(d)
+        j = s + q + 1
         ok = (m >= x[j]) & (m >= x[t + 1] + thr[s, :d])
         if ok.any():
-            k, j = k[ok], j[ok]
-            v = (A[s, k, m] + A[j, t - j, m - x[j]]) + F[s, k]
+            q, j = q[ok], j[ok]
+            v = (A[s, q, m] + A[j, t - j, m - x[j]]) + F[s, q]
             i = int(np.argmin(v))  # first (shortest left segment) among equals
             # a split must win by more than float32 rounding: on ties, store (no recomputation)
             if v[i] < (best - TIE * abs(best) if np.isfinite(best) else best):
@@ -50,10 +79,11 @@ def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray]) -> list[Op]:
         if choice is None:
             raise AssertionError(f"DP table has no finite option at s={s}, t={t}, m={m}")
         if choice[0] == "store":
-            stack += [("op", Op(OpKind.B, s)), ("node", s + 1, t, m - int(xbar[s])), ("op", Op(OpKind.FALL, s))]
+            k = choice[1]
+            stack += [Op(OpKind.B, s), _Node(s + 1, t, m - int(xbar[k, s])), Op(OpKind.FALL, s, k)]
         else:
             j = choice[1]
             fwd = [Op(OpKind.FCK, s)] + [Op(OpKind.FN, i) for i in range(s + 1, j)]
-            stack += [("node", s, j - 1, m), ("node", j, t, m - int(x[j]))]
-            stack += [("op", op) for op in reversed(fwd)]
+            stack += [_Node(s, j - 1, m), _Node(j, t, m - int(x[j]))]
+            stack += list(reversed(fwd))
     return ops

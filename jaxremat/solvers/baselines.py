@@ -1,8 +1,8 @@
 """The strategies people use by hand, as op lists under the same rules.
 
 * ``store_all``: keep every stage's residuals (plain autodiff).
-* ``every_stage``: keep every stage's input, recompute each stage once before its backward
-  (``jax.checkpoint`` / ``nn.remat`` around every stage).
+* ``every_stage``: keep every stage's input, recompute each stage once right before its
+  backward, fused with it (``FB``; ``jax.checkpoint`` / ``nn.remat`` around every stage).
 * ``sqrt``: about ``sqrt(L)`` evenly spaced checkpoints; each segment is recomputed storing all
   (``jax.checkpoint`` around every ``k`` stages).
 * ``revolve``: binomial checkpointing (Griewank & Walther) with as many snapshots as the budget
@@ -22,7 +22,8 @@ from jaxremat.core.ops import Op, OpKind, store_all_ops
 
 
 def _base(i: int, L: int) -> list[Op]:
-    return [Op(OpKind.LOSS, L)] if i == L else [Op(OpKind.FALL, i), Op(OpKind.B, i)]
+    """The backward of stage ``i`` (or the loss) right after its input is recomputed: ``FB i``."""
+    return [Op(OpKind.LOSS, L)] if i == L else [Op(OpKind.FB, i)]
 
 
 def _advance(s: int, j: int) -> list[Op]:
@@ -35,14 +36,17 @@ def store_all(L: int) -> list[Op]:
 
 
 def segments(L: int, starts: list[int]) -> list[Op]:
-    """Checkpoint the input of each segment; recompute each segment storing all before its backward."""
+    """Checkpoint the input of each segment; recompute each segment storing all before its
+    backward, its last stage fused with its backward (``FB``: what XLA runs for
+    ``jax.checkpoint`` around the segment)."""
     bounds = sorted(set(starts) | {0}) + [L]
     ops: list[Op] = []
     for b, e in zip(bounds, bounds[1:]):
         ops += _advance(b, e)
     ops.append(Op(OpKind.LOSS, L))
     for b, e in reversed(list(zip(bounds, bounds[1:]))):
-        ops += [Op(OpKind.FALL, i) for i in range(b, e)] + [Op(OpKind.B, i) for i in reversed(range(b, e))]
+        ops += [Op(OpKind.FALL, i) for i in range(b, e - 1)] + [Op(OpKind.FB, e - 1)]
+        ops += [Op(OpKind.B, i) for i in reversed(range(b, e - 1))]
     return ops
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
-from jaxremat.core.ops import FORWARD_KINDS, Op
+from jaxremat.core.ops import FORWARD_KINDS, Op, OpKind
 from jaxremat.solvers import baselines
-from jaxremat.solvers._discretise import SlotChain, discretise, extend, least_memory
+from jaxremat.solvers._discretise import ABSENT, discretise, extend, least_memory
 from jaxremat.solvers._dp_jax import table
 from jaxremat.solvers._rebuild import rebuild_ops
 
@@ -35,8 +37,12 @@ def dp_min_budget(costs: ChainCosts, slots: int) -> int | None:
     if exact == 0:
         return x0
     b = extend(costs)
-    ones = lambda v: np.minimum(v, 1)  # noqa: E731  (each positive size rounds to 1 slot at best)
-    limit = SlotChain(b.L, slots, ones(b.x), ones(b.xbar), ones(b.fwd_tmp), ones(b.bwd_tmp), b.fwd, b.bwd)
+    # each positive size rounds to 1 slot at best; an option a stage lacks never fits
+    ones = lambda v: np.where(v >= ABSENT, slots + 1, np.minimum(v, 1))  # noqa: E731
+    limit = dataclasses.replace(
+        b, slots=slots, x=ones(b.x), xbar=ones(b.xbar), fwd_tmp=ones(b.fwd_tmp), bwd_tmp=ones(b.bwd_tmp),
+        fb_tmp=ones(b.fb_tmp),
+    )
     if least_memory(limit) > slots:
         return None
     feasible = lambda budget: least_memory(discretise(costs, budget, slots)) <= slots  # noqa: E731
@@ -57,15 +63,32 @@ def dp_min_budget(costs: ChainCosts, slots: int) -> int | None:
 
 def op_time(costs: ChainCosts, ops: list[Op]) -> float:
     """The time of ``ops`` without replaying them (valid or not)."""
-    fwd = np.array([i for k, i in ops if k in FORWARD_KINDS], dtype=np.int64)
-    n = np.bincount(fwd, minlength=costs.length)
-    return float(n @ costs.fwd + costs.bwd.sum())
+    fwd = np.array([op[1] for op in ops if op[0] in FORWARD_KINDS], dtype=np.int64)
+    total = float(np.bincount(fwd, minlength=costs.length) @ costs.fwd)
+    option: dict[int, int] = {}
+    for op in ops:
+        if op[0] == OpKind.FALL:
+            option[op[1]] = op[2] if len(op) > 2 else 0
+        elif op[0] == OpKind.B:
+            total += costs.option_table[op[1]][option.get(op[1], 0)][1]
+        elif op[0] == OpKind.FB:
+            total += float(costs.fb[op[1]])
+    return total
 
 
 def candidates(costs: ChainCosts) -> dict[str, list[Op]]:
-    """Fixed baseline schedules (all persistent) that ``optimal`` also considers."""
+    """Fixed schedules (all persistent) that ``optimal`` also considers: the baselines, and for
+    each checkpoint policy of the stages' store options, every stage stored under it where it has
+    it (what ``jax.checkpoint(block, policy=...)`` around every block does)."""
     L = costs.length
-    return {name: make(L) for name, make in baselines.FIXED.items()}
+    out = {name: make(L) for name, make in baselines.FIXED.items()}
+    names = dict.fromkeys(o.name for per in costs.options or () for o in per)
+    for name in names:
+        ks = [next((k for k in range(1, costs.option_count(i)) if costs.option(i, k).name == name), 0) for i in range(L)]
+        out[f"every stage under {name}"] = (
+            [Op(OpKind.FALL, i, ks[i]) for i in range(L)] + [Op(OpKind.LOSS, L)] + [Op(OpKind.B, i) for i in reversed(range(L))]
+        )
+    return out
 
 
 def solve_optimal(costs: ChainCosts, budget: int, slots: int, algorithm: str = "optimal") -> Schedule:

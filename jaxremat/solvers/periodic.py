@@ -59,8 +59,11 @@ def _unit(part: Part, s: int) -> Unit:
     k = part.size
     if part.kind == "store":
         return StoreUnit(s)
-    inner: list[Unit] = [StoreUnit(j) if part.kind == "region" else RegionUnit(j, j + 1, Leaf(j)) for j in range(s, s + k - 1)]
-    return RegionUnit(s, s + k, build(inner, Leaf(s + k - 1)))
+    # a region's last stage, and each stage checkpointed alone, runs fused with its backward (FB)
+    inner: list[Unit] = [
+        StoreUnit(j) if part.kind == "region" else RegionUnit(j, j + 1, Leaf(j, fused=True)) for j in range(s, s + k - 1)
+    ]
+    return RegionUnit(s, s + k, build(inner, Leaf(s + k - 1, fused=True)))
 
 
 def periodic_tree(

@@ -1,0 +1,66 @@
+"""Wall-clock times a plan can trust: the programs of a stage timed in interleaved rounds.
+
+A busy machine drifts over seconds; timing one program after another puts the drift into their
+differences. Here every round calls each program once, in a new order, after a warm-up call of
+each, and the median over the rounds is kept. A backward measured far below what its flops say
+next to its forward is timed again with more rounds (:func:`check_against_flops`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+Program = tuple[Callable[..., Any], tuple]  # a compiled function and its arguments
+
+
+def interleaved_medians(programs: dict[str, Program], rounds: int, seed: int = 0) -> dict[str, float]:
+    """The median wall time of each program over ``rounds`` interleaved rounds (seconds)."""
+    for fn, args in programs.values():  # warm up: first calls allocate and page in
+        jax.block_until_ready(fn(*args))
+    names = list(programs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    order = np.random.default_rng(seed)
+    for _ in range(max(rounds, 1)):
+        for j in order.permutation(len(names)):
+            fn, args = programs[names[j]]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[names[j]].append(time.perf_counter() - t0)
+    return {n: float(np.median(t)) for n, t in times.items()}
+
+
+# A backward below this share of the time its flops predict from the forward's rate is suspect.
+SUSPECT = 0.25
+
+
+def suspect(fwd_time: float, bwd_time: float, fwd_flops: float, bwd_flops: float) -> bool:
+    """Whether a backward's time is far below its share of flops next to its forward's."""
+    if fwd_time <= 0 or fwd_flops <= 0 or bwd_flops <= 0:
+        return False
+    return bwd_time < SUSPECT * fwd_time * (bwd_flops / fwd_flops)
+
+
+def check_against_flops(
+    programs: dict[str, Program], rounds: int, flops: dict[str, float], backward: dict[str, str]
+) -> tuple[dict[str, float], list[str]]:
+    """Interleaved medians of ``programs``; every backward (``backward[name]`` is its forward's
+    name) measured far below its share of flops is timed again with four times the rounds, and
+    named in the returned flags if it still is."""
+    t = interleaved_medians(programs, rounds)
+    bad = [b for b, f in backward.items() if suspect(t[f], t[b], flops[f], flops[b])]
+    flags: list[str] = []
+    if bad:
+        again = interleaved_medians({n: programs[n] for n in {*bad, *(backward[b] for b in bad)}}, 4 * rounds, seed=1)
+        t.update(again)
+        flags = [
+            f"{b} time {1e3 * t[b]:.3g} ms is below {SUSPECT:.0%} of its flops' share next to {backward[b]}"
+            for b in bad if suspect(t[backward[b]], t[b], flops[backward[b]], flops[b])
+        ]
+    return t, flags
+
+
+__all__ = ["check_against_flops", "interleaved_medians", "suspect"]
