@@ -1,8 +1,9 @@
 """The profiled cost model against XLA's compiled training step (CPU, remat made real).
 
-Asserted here: the cases that hold within 15% (see benchmarks/results/profile_fidelity.md for
-all of them; the MLP and the CNN with every stage checkpointed do not: the contract's recomputed
-bundle holds the stage output, which XLA does not recompute when only the backward needs it).
+Asserted here: store-all and every stage checkpointed (hand-written with jax.checkpoint, and run
+by jaxremat's executor, whose recomputation is the contract's FB) within 15% of the prediction on
+the three profile chains (benchmarks/results/profile_fidelity.md), and the executor's on the safe
+side within 5%.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ CASES = {label.split(" ")[0]: (label, chain, x) for label, chain, x in models(sc
 CASES["MLP"] = next(case for case in models(scale=1) if case[0].startswith("MLP"))  # small batches: weights dominate
 
 
-@pytest.mark.parametrize(
-    "model,schedules", [("MLP", ("store_all",)), ("CNN", ("store_all",)), ("Transformer", ("store_all", "every_stage"))]
-)
-def test_xla_temp_within_15_percent_of_prediction(model, schedules):
+@pytest.mark.parametrize("model", ["MLP", "CNN", "Transformer"])
+def test_xla_temp_within_15_percent_of_prediction(model):
     rows = {row[1]: (row[2], row[3]) for row in ratios(*CASES[model])}
-    for alg in schedules:
-        temp, pred = rows[alg]
+    assert len(rows) == 3
+    for alg, (temp, pred) in rows.items():
         assert 0.85 <= temp / pred <= 1.15, (model, alg, temp, pred)
+    temp, pred = rows["every_stage (jaxremat.execute)"]
+    assert temp <= 1.05 * pred, (model, temp, pred)
 
 
 def test_executed_schedule_stays_within_its_plan():

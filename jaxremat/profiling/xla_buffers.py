@@ -113,7 +113,7 @@ def live_peak(folder: str) -> int:
     return max(_peak(seq, ranges, buffer_sizes(folder, ("temp", "output"))))
 
 
-def transient_beyond_inputs(folder: str) -> int:
+def transient_beyond_inputs(folder: str, outputs: bool = False, reuse: bool = True) -> int:
     """Peak bytes of a program's temporaries beyond its inputs, crediting inputs freed early.
 
     Inputs count until their last use (in a training step their buffers are reusable after
@@ -122,6 +122,11 @@ def transient_beyond_inputs(folder: str) -> int:
     buffer, which it may not do to an entry parameter compiled alone. Outputs do not count. The
     result is that peak minus the total size of the inputs, floored at zero: the ``bwd_tmp`` of
     ``docs/cost_model.md`` for a backward compiled alone.
+
+    ``reuse=False`` leaves out the credit for an output written over a dying input.
+    With ``outputs``, the output buffers count too, over their live ranges (XLA may hold
+    intermediates in an output's buffer before the output is written); the caller subtracts the
+    outputs the cost model counts by itself.
     """
     seq, ranges = _live_ranges(folder)
     position = {name: i for i, name in enumerate(seq)}
@@ -134,12 +139,12 @@ def transient_beyond_inputs(folder: str) -> int:
         uses = value.uses if value else []
         last = max((position.get(u, 0) for u in uses), default=-1)
         user = values.get(seq[last]) if 0 <= last < len(seq) else None
-        if value and user and user.elementwise and user.shape == value.shape and seq[last] not in taken:
+        if reuse and value and user and user.elementwise and user.shape == value.shape and seq[last] not in taken:
             taken.add(seq[last])
             last -= 1
         for t in range(0, last + 1):
             live[t] += size
-    live = _peak(seq, ranges, buffer_sizes(folder, ("temp",)), live)
+    live = _peak(seq, ranges, buffer_sizes(folder, ("temp", "output") if outputs else ("temp",)), live)
     return max(0, max(live) - sum(params.values()))
 
 
@@ -245,11 +250,13 @@ def bytes_kept_across_barrier(
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def transient_bytes(fn: Callable, *args: Any, options: dict | None = None) -> tuple[Any, int]:
+def transient_bytes(
+    fn: Callable, *args: Any, options: dict | None = None, outputs: bool = False, reuse: bool = True
+) -> tuple[Any, int]:
     """Compile ``fn`` and return (compiled, :func:`transient_beyond_inputs` of it)."""
     compiled, folder = compile_with_dump(fn, *args, options=options)
     try:
-        return compiled, transient_beyond_inputs(folder)
+        return compiled, transient_beyond_inputs(folder, outputs, reuse)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -43,6 +43,11 @@ def verdict(cmp: Comparison, manual: Any, asked: Any) -> str:
     return ", ".join(parts)
 
 
+def flops_verdict(manual: Any, asked: Any) -> bool:
+    """Whether jaxremat, asked for a manual strategy's memory, fits it in no more compiled flops."""
+    return asked is not None and bool(asked.times) and asked.temp <= manual.temp and asked.flops <= manual.flops * (1 + 1e-3)
+
+
 def strategies_table(cmp: Comparison) -> list[str]:
     """Every manual strategy and jaxremat's answers at its memory."""
     lines = [
@@ -107,6 +112,7 @@ def markdown(cmp: Comparison, plot: str | None = None) -> str:
 
     asked = [verdict(cmp, m, a) for m, a, _, _ in cmp.matched()]
     cal = [verdict(cmp, m, c) for m, _, c, _ in cmp.matched()]
+    flops = [flops_verdict(m, a) for m, a, _, _ in cmp.matched()]
     out = [
         f"## {cmp.model}",
         "",
@@ -114,8 +120,9 @@ def markdown(cmp: Comparison, plot: str | None = None) -> str:
         f"{format_bytes(cmp.params_bytes)}; no-remat step {cmp.baseline.time * 1e3:.1f} ms. "
         f"Times and flops are over no remat; temp is XLA's `temp_size_in_bytes` (total adds arguments "
         f"and outputs: parameters, input, loss and gradients). jaxremat asked for a manual strategy's "
-        f"memory: no slower within that memory for {sum(map(ok, asked))} of {len(asked)}; calibrated with "
-        f"XLA in the loop: {sum(map(ok, cal))} of {len(cal)}.{noise_check(cmp)}",
+        f"memory: no slower within that memory for {sum(map(ok, asked))} of {len(asked)}, within it and in no "
+        f"more compiled flops for {sum(flops)} of {len(flops)}; calibrated with XLA in the loop: "
+        f"{sum(map(ok, cal))} of {len(cal)}.{noise_check(cmp)}",
         "",
         *strategies_table(cmp),
         "",
