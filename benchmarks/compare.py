@@ -58,13 +58,16 @@ def main() -> None:
         "XLA-measured temp memory (plus the input, which the plan counts) as its budget twice: *asked* solves "
         "on the profiled cost model alone; *calibrated* (`calibrate=True`) also compiles candidate schedules "
         "and corrects the budget by XLA's measured error until the measured memory fits. A result is a win "
-        "when jaxremat is no slower (within noise) in no more memory. Where it loses, the reasons seen here: "
-        "(1) per-block policies such as `dots_saveable` keep part of a block (its matmul outputs) and "
-        "recompute the rest, a finer choice than the chain model's per-block keep-all / keep-input / "
-        "keep-nothing; (2) without calibration, the cost model's error (XLA temp / predicted in each sweep below) "
-        "either wastes the budget or exceeds it; (3) on this CPU, steps that allocate less memory can run "
-        "faster than no remat despite extra flops (times below 1.00), which the cost model, counting "
-        "compute only, does not predict, so it does not seek such schedules.",
+        "when jaxremat is no slower (within noise) in no more memory. Each stage can also be stored under "
+        "`dots_saveable` or `dots_with_no_batch_dims_saveable` (store options, measured by the profiler), and "
+        "a recomputation right before its backward is costed as XLA fuses it (`FB`), so every hand-written "
+        "strategy is a schedule the solver can pick. Where *asked* still loses, the reasons seen here: (1) "
+        "the cost model predicts a little more memory than XLA uses for the hand-written schedule itself "
+        "(`FB`'s bytes are measured conservatively), so at that strategy's exact memory the solver must pick "
+        "another, slower schedule; (2) XLA's temp for an equivalent schedule differs from the strategy's by a "
+        "few bytes (88 B on the ResNet); (3) on this CPU, steps that allocate less memory can run faster "
+        "than no remat despite extra flops (times below 1.00), which the cost model, counting compute only, "
+        "does not predict.",
         "",
     ]
     (out / "compare.md").write_text("\n".join(head + sections))

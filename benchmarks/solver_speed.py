@@ -3,8 +3,8 @@
 Each depth runs in a fresh process so that its peak RSS is its own. Writes
 ``benchmarks/results/solver.md`` (and ``solver.csv``).
 
-    python benchmarks/solver_speed.py            # L = 50, 100, 200, 400 at S = 500
-    python benchmarks/solver_speed.py --lengths 50 200 --repeats 3
+    python benchmarks/solver_speed.py            # L = 50, 100, 200, 400 at S = 500; 1 and 3 options per stage
+    python benchmarks/solver_speed.py --lengths 50 200 --repeats 3 --options 2
 """
 
 from __future__ import annotations
@@ -23,24 +23,33 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SHARES = ("25%", "40%", "70%")  # budgets, as shares of the store-all peak
 
 
-def chain(L: int, seed: int):
-    """A heterogeneous chain: activations 0.1-10 MB, store-all bundles 1-30 MB, varied temps."""
+def chain(L: int, seed: int, options: int = 0):
+    """A heterogeneous chain: activations 0.1-10 MB, store-all bundles 1-30 MB, varied temps; with
+    ``options``, that many store options per stage (keeping 20-80% of the bundle, backward up to
+    1.5x slower) and a measured-looking FB (0.8-1.0x the forward plus backward)."""
     import numpy as np
 
     import jaxremat as jr
 
     rng = np.random.default_rng(seed)
-    return jr.ChainCosts(
-        x=rng.integers(10**5, 10**7, L + 1),
-        xbar=rng.integers(10**6, 3 * 10**7, L),
-        fwd=rng.uniform(1, 3, L),
-        bwd=rng.uniform(2, 5, L),
-        fwd_tmp=rng.integers(0, 2 * 10**6, L),
-        bwd_tmp=rng.integers(0, 2 * 10**6, L),
-    )
+    xbar, fwd, bwd = rng.integers(10**6, 3 * 10**7, L), rng.uniform(1, 3, L), rng.uniform(2, 5, L)
+    fwd_tmp, bwd_tmp = rng.integers(0, 2 * 10**6, L), rng.integers(0, 2 * 10**6, L)
+    v2 = {}
+    if options:
+        v2 = dict(
+            fb=(fwd + bwd) * rng.uniform(0.8, 1.0, L),
+            fb_tmp=(xbar * rng.uniform(0.5, 1.0, L)).astype(int),
+            options=[
+                [jr.StageOption(f"policy{k}", int(xbar[i] * rng.uniform(0.2, 0.8)), float(bwd[i] * rng.uniform(1.0, 1.5)),
+                                int(bwd_tmp[i] + rng.integers(0, 10**6))) for k in range(options)]
+                for i in range(L)
+            ],
+        )
+    return jr.ChainCosts(x=rng.integers(10**5, 10**7, L + 1), xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=fwd_tmp,
+                         bwd_tmp=bwd_tmp, **v2)
 
 
-def child(L: int, slots: int, repeats: int) -> dict:
+def child(L: int, slots: int, repeats: int, options: int = 0) -> dict:
     """Run in a subprocess: compile, then time the table fill and the whole solve."""
     import resource
     import time
@@ -55,7 +64,7 @@ def child(L: int, slots: int, repeats: int) -> dict:
 
     jnp.zeros(1).block_until_ready()  # JAX runtime up
     base_rss = rss()
-    costs = chain(L, seed=0)
+    costs = chain(L, seed=0, options=options)
     budget = budget_bytes(costs, "40%")
     c = discretise(costs, budget, slots)
     t0 = time.perf_counter()
@@ -80,13 +89,14 @@ def child(L: int, slots: int, repeats: int) -> dict:
         by_share[share] = round(sorted(ts)[len(ts) // 2], 3)
     compiles = dp_jax.compile_count()
     near = L - 3 if dp_jax.bucket(L - 3) == dp_jax.bucket(L) else L + 3  # similar depth, same bucket
-    other = chain(near, seed=1)
+    other = chain(near, seed=1, options=options)
     t0 = time.perf_counter()
     jr.solve(other, "40%", slots=slots)
     similar = time.perf_counter() - t0
     fill = sorted(fills)[len(fills) // 2]
     return dict(
         L=L,
+        options=options + 1,
         slots=slots,
         compile_s=round(compile_s, 3),
         fill_s=round(fill, 3),
@@ -108,18 +118,22 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[50, 100, 200, 400])
     parser.add_argument("--slots", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--options", type=int, nargs="+", default=[0, 2],
+                        help="store options per stage beyond store-all (default: 0 and 2)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.slots, args.repeats)))
+        print(json.dumps(child(args.child, args.slots, args.repeats, args.options[0])))
         return
     rows = []
-    for L in args.lengths:
-        cmd = [sys.executable, __file__, "--child", str(L), "--slots", str(args.slots), "--repeats", str(args.repeats)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ).stdout
-        row = json.loads(out.strip().splitlines()[-1])
-        print(row, flush=True)
-        rows.append(row)
+    for k in args.options:
+        for L in args.lengths:
+            cmd = [sys.executable, __file__, "--child", str(L), "--slots", str(args.slots), "--repeats", str(args.repeats),
+                   "--options", str(k)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ).stdout
+            row = json.loads(out.strip().splitlines()[-1])
+            print(row, flush=True)
+            rows.append(row)
     RESULTS.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / "solver.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -136,14 +150,14 @@ def main() -> None:
         "",
         "Command: `python benchmarks/solver_speed.py`",
         "",
-        "| L | table fill (s) | whole solve (s) | whole solve at " + " / ".join(SHARES) + " (s) | compile (s) | "
+        "| L | options per stage | table fill (s) | whole solve (s) | whole solve at " + " / ".join(SHARES) + " (s) | compile (s) | "
         "similar depth: L, solve (s), recompiled? | solver memory (MiB) | table (MiB) | peak RSS, whole process (MiB) | "
         "JAX and jaxremat loaded (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['L']} | {r['fill_s']} | {r['solve_s']} | {' / '.join(str(v) for v in r['solve_s_by_budget'].values())} | "
+            f"| {r['L']} | {r['options']} | {r['fill_s']} | {r['solve_s']} | {' / '.join(str(v) for v in r['solve_s_by_budget'].values())} | "
             f"{r['compile_s']} | {r['similar_depth']}, {r['similar_depth_solve_s']}, "
             f"{'yes' if r['recompiled_for_similar_depth'] else 'no'} | "
             f"{round(r['peak_rss_mib'] - r['jax_runtime_rss_mib'], 1)} | {r['table_mib']} | {r['peak_rss_mib']} | "

@@ -247,3 +247,34 @@ def test_profile_measures_store_options_and_fb():
     mine = jr.profile(chain, v, x, method="xla", rates=rates, quiet=True,
                       policies={"nothing": jax.checkpoint_policies.nothing_saveable})
     assert "nothing" in {o.name for per in mine.options for o in per}
+
+
+def test_plans_save_and_load_options_and_fb(tmp_path):
+    chain = jr.Chain.from_linen([Block(), Block(), nn.Dense(4)])
+    x = jnp.ones((64, 16))
+    v = chain.init(jax.random.key(0), x)
+    p = jr.plan(chain, v, x, "60%", method="xla")
+    assert any(d.policy for d in p.schedule.decisions()) and p.costs.options is not None
+    p.save(tmp_path / "plan.json")
+    q = jr.load_plan(tmp_path / "plan.json")
+    assert q.schedule.ops == p.schedule.ops and q.costs == p.costs and (q.schedule.peak, q.schedule.time) == (p.schedule.peak, p.schedule.time)
+
+
+def test_a_repeat_layer_stored_under_a_policy_runs_as_a_loop_exactly():
+    from jaxremat.core.compile import as_planned
+
+    chain = jr.Chain.from_linen(nn.Sequential([nn.Dense(16), jr.Repeat(Block(), 6), nn.Dense(4)]))
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    v = chain.init(jax.random.key(1), x)
+    L = len(chain)
+    costs = jr.ChainCosts(x=[1] * (L + 1), xbar=[8] * L, fwd=[1] * L, bwd=[1] * L, fwd_tmp=[0] * L, bwd_tmp=[0] * L,
+                          options=[[jr.StageOption("dots_saveable", 4, 1.5, 0)]] * L)
+    ops = [("Fall", 0)] + [("Fall", i, 1) for i in range(1, L - 1)] + [("Fall", L - 1), ("Loss", L)]
+    ops += [("B", i) for i in reversed(range(L))]
+    f = execute(chain, jr.Schedule.from_ops(costs, ops, budget=None, algorithm="optimal"))
+    loss = lambda f: lambda v: jnp.mean(f(v, x, None)[0] ** 2)  # noqa: E731
+    g = jr.jit(jax.grad(loss(f)))(v)
+    ref = jax.grad(loss(plain_forward(chain)))(v)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, ref)
+    step = str(jax.make_jaxpr(as_planned(jax.grad(loss(f))))(v))
+    assert "scan" in step and "remat" in step  # one loop over the copies, each under its policy

@@ -22,7 +22,8 @@ from jaxremat.run.executor import execute
 from jaxremat.solvers import canonical, solve
 
 FORMAT = "jaxremat-plan"
-VERSION = 2  # 2: signatures from jaxremat.model.identity
+VERSION = 3  # 2: signatures from jaxremat.model.identity; 3: store options and FB (contract version 2)
+READS = (2, 3)  # a version 2 plan is a version 3 plan without options
 
 
 def signature(chain: Chain, variables: Any, sample: Any) -> str:
@@ -119,7 +120,7 @@ class Plan:
             "costs": s.costs.to_dict(),
             "budget": s.budget,
             "algorithm": s.algorithm,
-            "ops": [[op[0], op[1]] for op in s.ops],
+            "ops": [[op.kind.value, *op[1:]] for op in s.ops],
         }
 
     def save(self, path: str | Path) -> None:
@@ -134,9 +135,9 @@ def load_plan(path: str | Path) -> Plan:
         raise ValueError(f"cannot read a jaxremat plan from {path}: {e}") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{path} is not a jaxremat plan")
-    if d.get("version") != VERSION:
+    if d.get("version") not in READS:
         raise ValueError(
-            f"{path} is a version {d.get('version')} plan; this jaxremat reads version {VERSION}: "
+            f"{path} is a version {d.get('version')} plan; this jaxremat reads versions {', '.join(map(str, READS))}: "
             "make it again with jaxremat.plan(...).save(path)"
         )
     costs = ChainCosts.from_dict(d["costs"])
@@ -168,4 +169,4 @@ def make_plan(
     return Plan(schedule, signature(chain, variables, sample))
 
 
-__all__ = ["FORMAT", "VERSION", "Plan", "PlanOptions", "load_plan", "make_plan", "signature"]
+__all__ = ["FORMAT", "READS", "VERSION", "Plan", "PlanOptions", "load_plan", "make_plan", "signature"]

@@ -76,7 +76,8 @@ class Schedule:
 
     @property
     def overhead(self) -> float:
-        """Time over the store-all time ``sum(fwd) + sum(bwd)`` (1.0 means no recomputation)."""
+        """Time over the store-all time ``sum(fwd) + sum(bwd)`` (1.0: as fast as plain autodiff;
+        below 1.0 when recomputing as ``FB`` is predicted cheaper than reading residuals back)."""
         base = float(self.costs.fwd.sum() + self.costs.bwd.sum())
         return self.time / base if base > 0 else 1.0
 

@@ -106,21 +106,15 @@ def profile_stages(
             seen[key] = prof
             stages.append(dataclasses.replace(prof, name=st.name, kind=st.kind))
             advance()
+    # ChainCosts field <- StageProfile field, per stage
+    fields = dict(
+        xbar="xbar", fwd="fwd_time", bwd="bwd_time", fwd_tmp="fwd_tmp", bwd_tmp="bwd_tmp", names="name",
+        fwd_flops="fwd_flops", bwd_flops="bwd_flops", fwd_bytes="fwd_bytes", bwd_bytes="bwd_bytes", fb="fb_time",
+        fb_flops="fb_flops", fb_tmp="fb_tmp",
+    )
     costs = ChainCosts(
         x=[tree_bytes(s) for s in shapes],
-        xbar=[p.xbar for p in stages],
-        fwd=[p.fwd_time for p in stages],
-        bwd=[p.bwd_time for p in stages],
-        fwd_tmp=[p.fwd_tmp for p in stages],
-        bwd_tmp=[p.bwd_tmp for p in stages],
-        names=[p.name for p in stages],
-        fwd_flops=[p.fwd_flops for p in stages],
-        bwd_flops=[p.bwd_flops for p in stages],
-        fwd_bytes=[p.fwd_bytes for p in stages],
-        bwd_bytes=[p.bwd_bytes for p in stages],
-        fb=[p.fb_time for p in stages],
-        fb_flops=[p.fb_flops for p in stages],
-        fb_tmp=[p.fb_tmp for p in stages],
+        **{f: [getattr(p, g) for p in stages] for f, g in fields.items()},
         options=[useful_options(p) for p in stages] if measured else None,
     )
     return costs, stages
