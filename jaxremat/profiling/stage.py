@@ -178,6 +178,12 @@ def profile_stage(
     fb_c, fb_tmp = transient_bytes(
         lambda p, x, r, k, c: pullback(p, x, r, k)(c), params, a_shape, rest, rng, cot_shape, reuse=False
     )
+    if scanned:
+        # a Repeat's copy runs its FB inside a loop iteration, where XLA keeps the recomputed
+        # residuals as JAX's autodiff saves them (as for xbar): at least what Fall; B costs there
+        # (without this, every_stage over 48 transformer blocks used 1.39x its plan)
+        fwd_tmp = int(fwd_c.memory_analysis().temp_size_in_bytes)
+        fb_tmp = max(int(fb_tmp), xbar + max(fwd_tmp - tree_bytes(a_shape), bwd_tmp))
     opts, by_program = {}, {}
     for name, policy in (policies or {}).items():
         gk = jax.checkpoint(g, policy=policy)
