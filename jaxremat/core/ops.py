@@ -9,7 +9,7 @@ same op as ``("Fall", 3)``, and op lists stay plain JSON. Its kind is an :class:
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Iterable
+from typing import Iterable, Sequence
 
 
 class OpKind(StrEnum):
@@ -88,10 +88,12 @@ def ops_of(ops: Iterable) -> tuple[Op, ...]:
     return tuple(Op.of(op, n) for n, op in enumerate(ops))
 
 
-def store_all_ops(L: int) -> list[Op]:
-    """Plain autodiff over ``L`` stages: every stage stored whole, then the backward."""
+def store_all_ops(L: int, options: Sequence[int] | None = None) -> list[Op]:
+    """Every stage of ``L`` stored (under store option ``options[i]``; plain autodiff when
+    ``None``: all of them whole), then the backward."""
+    ks = options or [0] * L
     return (
-        [Op(OpKind.FALL, i) for i in range(L)] + [Op(OpKind.LOSS, L)] + [Op(OpKind.B, i) for i in reversed(range(L))]
+        [Op(OpKind.FALL, i, ks[i]) for i in range(L)] + [Op(OpKind.LOSS, L)] + [Op(OpKind.B, i) for i in reversed(range(L))]
     )
 
 

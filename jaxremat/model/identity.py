@@ -24,6 +24,13 @@ def function_key(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}:{body}"
 
 
+def closure_key(fn: Callable) -> str:
+    """:func:`function_key` plus the values ``fn`` closes over (a policy made by
+    ``save_only_these_names("q")`` differs from one made with ``"k"`` by them alone)."""
+    cells = getattr(fn, "__closure__", None) or ()
+    return f"{function_key(fn)}:{[c.cell_contents for c in cells]!r}"
+
+
 def leaf_signature(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
     """Per array leaf of ``tree``: its path, shape and dtype."""
     return [
@@ -43,4 +50,4 @@ def stage_identity(stage: Stage, variables: Any, inputs: Any = None) -> str:
     return json.dumps(parts)
 
 
-__all__ = ["function_key", "leaf_signature", "stage_identity"]
+__all__ = ["closure_key", "function_key", "leaf_signature", "stage_identity"]

@@ -13,7 +13,7 @@ from jaxremat.core.costs import ChainCosts, StageOption
 from jaxremat.core.policies import Policies, policies_of
 from jaxremat.core.units import format_bytes
 from jaxremat.model.chain import Chain
-from jaxremat.model.identity import function_key, stage_identity
+from jaxremat.model.identity import closure_key, stage_identity
 from jaxremat.model.trees import tree_bytes
 from jaxremat.profiling import cache as disk_cache
 from jaxremat.profiling.rates import Rates, device_rates
@@ -77,8 +77,7 @@ def profile_stages(
     scanned = [chain.group_of(i) is not None for i in range(len(chain))]
     use_disk = disk_cache.enabled(cache)
     measured = policies_of(policies)
-    policy_keys = [(name, function_key(p), repr([c.cell_contents for c in p.__closure__ or ()]) if hasattr(p, "__closure__") else repr(p))
-                   for name, p in measured.items()]
+    policy_keys = [(name, closure_key(p)) for name, p in measured.items()]
     seen: dict[str, StageProfile] = {}  # identical stages are measured once
     stages: list[StageProfile] = []
     with _progress(len(chain), quiet) as advance:

@@ -173,6 +173,7 @@ def profile_stage(
     cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), out_shape)
     xbar, bwd_c, bwd_tmp, pullback = _backward(g, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
     fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(REMAT_OPTIONS)
+    fwd_tmp = int(fwd_c.memory_analysis().temp_size_in_bytes)
     # FB's bytes without the credit for an output written over a dying input: XLA does that in
     # some training steps (an MLP's gelu) but not in others (a residual block, 1.11x the plan)
     fb_c, fb_tmp = transient_bytes(
@@ -182,7 +183,6 @@ def profile_stage(
         # a Repeat's copy runs its FB inside a loop iteration, where XLA keeps the recomputed
         # residuals as JAX's autodiff saves them (as for xbar): at least what Fall; B costs there
         # (without this, every_stage over 48 transformer blocks used 1.39x its plan)
-        fwd_tmp = int(fwd_c.memory_analysis().temp_size_in_bytes)
         fb_tmp = max(int(fb_tmp), xbar + max(fwd_tmp - tree_bytes(a_shape), bwd_tmp))
     opts, by_program = {}, {}
     for name, policy in (policies or {}).items():
@@ -219,7 +219,7 @@ def profile_stage(
     shape_txt = str(jax.tree.map(lambda s: tuple(s.shape), out_shape))
     return StageProfile(
         name=st.name, kind=st.kind, out_shape=shape_txt, x_out=tree_bytes(out_shape), xbar=xbar,
-        fwd_tmp=int(fwd_c.memory_analysis().temp_size_in_bytes), bwd_tmp=bwd_tmp,
+        fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp,
         fwd_flops=ff, bwd_flops=bf, fwd_bytes=fbytes, bwd_bytes=bb, fwd_time=ft, bwd_time=bt,
         fb_time=fbt, fb_tmp=int(fb_tmp), fb_flops=fbf,
         options=tuple(

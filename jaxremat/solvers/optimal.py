@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
-from jaxremat.core.ops import FORWARD_KINDS, Op, OpKind
+from jaxremat.core.ops import FORWARD_KINDS, Op, OpKind, store_all_ops
 from jaxremat.solvers import baselines
 from jaxremat.solvers._discretise import ABSENT, discretise, extend, least_memory
 from jaxremat.solvers._dp_jax import table
@@ -85,9 +85,7 @@ def candidates(costs: ChainCosts) -> dict[str, list[Op]]:
     names = dict.fromkeys(o.name for per in costs.options or () for o in per)
     for name in names:
         ks = [next((k for k in range(1, costs.option_count(i)) if costs.option(i, k).name == name), 0) for i in range(L)]
-        out[f"every stage under {name}"] = (
-            [Op(OpKind.FALL, i, ks[i]) for i in range(L)] + [Op(OpKind.LOSS, L)] + [Op(OpKind.B, i) for i in reversed(range(L))]
-        )
+        out[f"every stage under {name}"] = store_all_ops(L, ks)
     return out
 
 
