@@ -10,6 +10,8 @@ slack) until the measured peak is within a hair of the budget. It returns the fa
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -179,6 +181,6 @@ def calibrated_pick(
         got = measure(sched) + int(sched.costs.x[0])
         log.append((budget, sched.peak, got))
         if got <= budget:
-            chosen = Schedule(sched.ops, sched.time, sched.peak, budget, sched.algorithm, sched.costs, sched.note)
+            chosen = dataclasses.replace(sched, budget=budget)
             return Calibrated(chosen, got, tuple(log))
     return None

@@ -21,21 +21,36 @@ class OpKind(StrEnum):
     LOSS = "Loss"  # the loss: makes delta_L
     B = "B"  # the backward of one stage, from its bundle
     FB = "FB"  # the forward of one stage fused with its backward (a recomputation XLA fuses)
+    OFFLOAD = "Offload"  # queue a kept buffer's copy to host memory (device bytes freed when it ends)
+    PREFETCH = "Prefetch"  # allocate a host buffer's device bytes and queue its copy back
 
 
 FORWARD_KINDS: frozenset[OpKind] = frozenset({OpKind.FCK, OpKind.FN, OpKind.FALL})
 #: The ops that count as a stage's backward (each stage's runs exactly once, in order L-1..0).
 BACKWARD_KINDS: frozenset[OpKind] = frozenset({OpKind.B, OpKind.FB})
+#: The ops that move a buffer between device and host; they take no compute time.
+TRANSFER_KINDS: frozenset[OpKind] = frozenset({OpKind.OFFLOAD, OpKind.PREFETCH})
+#: What a transfer op moves: the standalone activation ``a_i`` or the bundle ``abar_i``.
+BUFFERS: tuple[str, str] = ("a", "abar")
 
 
 class Op(tuple):
     """One op: ``kind`` on stage ``stage`` (``stage == L`` for the loss); ``option`` is the store
-    option of a ``Fall`` (0, store-all, unless the stage has options)."""
+    option of a ``Fall`` (0, store-all, unless the stage has options). A transfer op
+    (``Offload``, ``Prefetch``) names the buffer it moves instead: ``Op("Offload", 3, "a")``
+    moves ``a_3``, ``Op("Prefetch", 2, "abar")`` brings back the bundle ``abar_2``."""
 
     __slots__ = ()
 
-    def __new__(cls, kind: OpKind | str, stage: int, option: int = 0) -> "Op":
-        kind, stage, option = OpKind(kind), int(stage), int(option)
+    def __new__(cls, kind: OpKind | str, stage: int, option: int | str = 0) -> "Op":
+        kind, stage = OpKind(kind), int(stage)
+        if kind in TRANSFER_KINDS:
+            if option not in BUFFERS:
+                raise ValueError(f"({kind.value!r}, {stage}, {option!r}): a transfer moves 'a' (a_i) or 'abar' (the bundle abar_i)")
+            return tuple.__new__(cls, (kind, stage, option))
+        if isinstance(option, str):
+            raise ValueError(f"({kind.value!r}, {stage}, {option!r}): only 'Offload' and 'Prefetch' name a buffer")
+        option = int(option)
         if option < 0 or (option and kind is not OpKind.FALL):
             raise ValueError(f"({kind.value!r}, {stage}, {option}): only 'Fall' takes a store option, an int >= 0")
         return tuple.__new__(cls, (kind, stage, option) if option else (kind, stage))
@@ -50,10 +65,15 @@ class Op(tuple):
 
     @property
     def option(self) -> int:
-        return self[2] if len(self) > 2 else 0
+        return self[2] if len(self) > 2 and self[0] is OpKind.FALL else 0
+
+    @property
+    def buffer(self) -> str | None:
+        """What a transfer op moves (``"a"`` or ``"abar"``); ``None`` for a compute op."""
+        return self[2] if self[0] in TRANSFER_KINDS else None
 
     def __getnewargs__(self) -> tuple:
-        return (self.kind, self.stage, self.option)
+        return tuple(self)
 
     def __repr__(self) -> str:
         return repr((self.kind.value, *self[1:]))
@@ -67,7 +87,7 @@ class Op(tuple):
         try:
             kind, stage, *rest = op
             stage = int(stage)
-            option = int(rest[0]) if rest else 0
+            option = rest[0] if rest and isinstance(rest[0], str) else int(rest[0]) if rest else 0
             if len(rest) > 1:
                 raise ValueError
         except (TypeError, ValueError):
@@ -97,4 +117,4 @@ def store_all_ops(L: int, options: Sequence[int] | None = None) -> list[Op]:
     )
 
 
-__all__ = ["BACKWARD_KINDS", "FORWARD_KINDS", "Op", "OpKind", "ops_of", "store_all_ops"]
+__all__ = ["BACKWARD_KINDS", "BUFFERS", "FORWARD_KINDS", "TRANSFER_KINDS", "Op", "OpKind", "ops_of", "store_all_ops"]

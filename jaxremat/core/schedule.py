@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.ops import FORWARD_KINDS, Op, OpKind, ops_of
 from jaxremat.core.simulator import simulate
+from jaxremat.core.transfers import Bandwidth, BandwidthLike
 from jaxremat.core.units import format_bytes
 
 
@@ -47,6 +49,7 @@ class StageDecision:
     forwards: int  # forward executions of the stage, recomputations (FB included) included
     policy: str = ""  # first pass "stored": the store option's policy ("" for store-all)
     fused: bool = False  # its backward is FB: recomputed right before it, fused with it
+    offloaded: bool = False  # what its first pass keeps (its bundle, or its input) goes to host memory
 
     @property
     def recomputed(self) -> int:
@@ -64,15 +67,32 @@ class Schedule:
     algorithm: str
     costs: ChainCosts = field(repr=False, compare=False)
     note: str = ""
+    host_peak: int = 0  # the most bytes held in host memory at once (offloading)
+    bandwidth: Bandwidth | None = None  # the links' bandwidths the schedule was replayed with
 
     @classmethod
     def from_ops(
-        cls, costs: ChainCosts, ops, *, budget: int | None, algorithm: str, note: str = ""
+        cls, costs: ChainCosts, ops, *, budget: int | None, algorithm: str, note: str = "",
+        bandwidth: BandwidthLike | None = None,
     ) -> "Schedule":
-        """Build a schedule, replaying ``ops`` for its exact peak and time."""
+        """Build a schedule, replaying ``ops`` for its exact peak and time (``bandwidth`` for
+        ``Offload`` and ``Prefetch`` ops)."""
         ops = ops_of(ops)
-        peak, time = simulate(costs, ops)
-        return cls(ops=ops, time=time, peak=peak, budget=budget, algorithm=algorithm, costs=costs, note=note)
+        bw = None if bandwidth is None else Bandwidth.of(bandwidth)
+        r = simulate(costs, ops, bandwidth=bw)
+        return cls(
+            ops=ops, time=r.time, peak=r.peak, budget=budget, algorithm=algorithm, costs=costs, note=note,
+            host_peak=r.host_peak, bandwidth=bw,
+        )
+
+    @property
+    def offloads(self) -> tuple[Op, ...]:
+        """The schedule's ``Offload`` ops, in order."""
+        return tuple(op for op in self.ops if op.kind is OpKind.OFFLOAD)
+
+    def with_algorithm(self, algorithm: str) -> "Schedule":
+        """The same schedule reported under another name (an alias)."""
+        return dataclasses.replace(self, algorithm=algorithm)
 
     @property
     def overhead(self) -> float:
@@ -99,7 +119,11 @@ class Schedule:
             elif op.kind is OpKind.FB:
                 counts[i] += 1
                 fused[i] = True
-        return [StageDecision(i, first[i], counts[i], policy[i], fused[i]) for i in range(L)]
+        off = [False] * L
+        for op in self.offloads:  # a bundle is its stage's; a standalone a_j is stage j's input
+            if op.stage < L:
+                off[op.stage] = True
+        return [StageDecision(i, first[i], counts[i], policy[i], fused[i], off[i]) for i in range(L)]
 
     def summary(self) -> str:
         """A readable report: budget, peak, time, and what happens to every stage."""
@@ -110,6 +134,10 @@ class Schedule:
             f"  budget {budget}, predicted peak {format_bytes(self.peak)}, "
             f"time {self.time:.6g} ({self.overhead:.3f}x store-all)",
         ]
+        if self.offloads:
+            lines.append(
+                f"  offloaded {len(self.offloads)} buffer(s) to host memory, host peak {format_bytes(self.host_peak)}"
+            )
         if self.note:
             lines.append(f"  note: {self.note}")
         legend = {
@@ -123,6 +151,7 @@ class Schedule:
             first = f"stored under {d.policy} (Fall)" if d.policy else legend[d.first_pass]
             rec = f", recomputed {d.recomputed}x" if d.recomputed else ""
             rec += " (the last time fused with its backward, FB)" if d.fused else ""
+            rec += ", kept in host memory (offloaded, prefetched for the backward)" if d.offloaded else ""
             lines.append(f"  {c.stage_name(d.stage):<{width}}  {first}{rec}")
         return "\n".join(lines)
 

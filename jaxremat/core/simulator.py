@@ -2,6 +2,12 @@
 
 The :class:`Machine` holds what is live and applies one op at a time; :func:`simulate` replays
 a whole schedule. Solvers, tests and the exhaustive search all go through the same rules.
+
+Offloading (``Offload``/``Prefetch`` ops, with a :class:`~jaxremat.core.transfers.Bandwidth`)
+adds time: compute ops run one at a time in list order, copies run beside them on two links,
+and a compute op that needs a buffer still being prefetched waits for it (a stall). Memory is
+counted at op granularity, on the safe side: an offload releases its device bytes at the first
+compute op that starts after its copy ended.
 """
 
 from __future__ import annotations
@@ -9,7 +15,32 @@ from __future__ import annotations
 from typing import Iterable
 
 from jaxremat.core.costs import ChainCosts
-from jaxremat.core.ops import FORWARD_KINDS, Op, OpKind, ops_of
+from jaxremat.core.ops import FORWARD_KINDS, TRANSFER_KINDS, Op, OpKind, ops_of
+from jaxremat.core.transfers import Bandwidth, BandwidthLike
+
+Key = tuple[str, int]  # a buffer: ("a", i) for the standalone a_i, ("abar", i) for the bundle
+
+
+class Replay(tuple):
+    """What :func:`simulate` returns: ``(peak, time)`` (so ``peak, time = simulate(...)`` works),
+    with ``host_peak`` (the most bytes held on the host at once) and ``stall`` (time compute
+    waited for prefetches) as attributes."""
+
+    def __new__(cls, peak: int, time: float, host_peak: int = 0, stall: float = 0.0) -> "Replay":
+        r = tuple.__new__(cls, (int(peak), float(time)))
+        r.host_peak, r.stall = int(host_peak), float(stall)
+        return r
+
+    @property
+    def peak(self) -> int:
+        return self[0]
+
+    @property
+    def time(self) -> float:
+        return self[1]
+
+    def __getnewargs__(self) -> tuple:
+        return (self[0], self[1], self.host_peak, self.stall)
 
 
 class Machine:
@@ -20,9 +51,12 @@ class Machine:
     the index of the live gradient (or ``None``), ``next_b`` the stage whose backward comes next.
     """
 
-    __slots__ = ("costs", "L", "a", "abar", "delta", "next_b", "loss_done", "cur", "time")
+    __slots__ = (
+        "costs", "L", "a", "abar", "delta", "next_b", "loss_done", "cur", "time",
+        "bandwidth", "offloading", "on_host", "prefetching", "links", "host_spans", "stall",
+    )
 
-    def __init__(self, costs: ChainCosts):
+    def __init__(self, costs: ChainCosts, bandwidth: Bandwidth | None = None):
         self.costs = costs
         self.L = costs.length
         self.a: set[int] = set()
@@ -31,7 +65,14 @@ class Machine:
         self.next_b = self.L - 1
         self.loss_done = False
         self.cur = 0
-        self.time = 0.0
+        self.time = 0.0  # the end of the last compute op
+        self.bandwidth = bandwidth
+        self.offloading: dict[Key, float] = {}  # copy to the host issued; device bytes held until it ends
+        self.on_host: set[Key] = set()  # device bytes released: readable again only after a Prefetch
+        self.prefetching: dict[Key, float] = {}  # copy back issued (bytes counted): readable when it ends
+        self.links = {"to_host": 0.0, "to_device": 0.0}  # when each link's last copy ends
+        self.host_spans: list[tuple[float, float, int]] = []  # (from, to, bytes) held on the host
+        self.stall = 0.0
 
     def copy(self) -> "Machine":
         m = Machine.__new__(Machine)
@@ -39,10 +80,13 @@ class Machine:
         m.a, m.abar = set(self.a), dict(self.abar)
         m.delta, m.next_b, m.loss_done = self.delta, self.next_b, self.loss_done
         m.cur, m.time = self.cur, self.time
+        m.bandwidth, m.offloading, m.on_host = self.bandwidth, dict(self.offloading), set(self.on_host)
+        m.prefetching, m.links = dict(self.prefetching), dict(self.links)
+        m.host_spans, m.stall = list(self.host_spans), self.stall
         return m
 
     def key(self) -> tuple:
-        """A hashable summary of the state (for searches)."""
+        """A hashable summary of the state (for searches; without transfers' timing)."""
         return (frozenset(self.a), frozenset(self.abar.items()), self.delta, self.next_b, self.loss_done)
 
     def a_live(self, i: int) -> bool:
@@ -52,8 +96,91 @@ class Machine:
     def done(self) -> bool:
         return self.next_b == -1 and self.delta == 0
 
-    def step(self, op: Op | tuple, position: int = 0) -> int:
-        """Apply ``op``; return the bytes in use while it runs (without ``a_0``).
+    def nbytes(self, key: Key) -> int:
+        kind, i = key
+        return int(self.costs.x[i]) if kind == "a" else int(self.costs.option_table[i][self.abar[i]][0])
+
+    def holder(self, i: int) -> Key | None:
+        """The buffer that holds ``a_i`` (``None`` for the input ``a_0``)."""
+        if i == 0:
+            return None
+        return ("a", i) if i in self.a else ("abar", i - 1)
+
+    def needs(self, op: Op) -> list[Key]:
+        """The buffers a compute op reads (its gradients are never moved)."""
+        kind, i = op.kind, op.stage
+        if kind is OpKind.B:
+            return [k for k in (("abar", i), self.holder(i)) if k is not None]
+        return [k for k in (self.holder(i),) if k is not None]
+
+    def transfer(self, op: Op, fail) -> None:
+        """Issue a copy at the end of the last compute op (``docs/cost_model.md``)."""
+        if self.bandwidth is None:
+            raise fail("a transfer needs a bandwidth: simulate(costs, ops, bandwidth=bytes per time unit)")
+        key: Key = (op.buffer, op.stage)
+        exists = op.stage in self.a if op.buffer == "a" else op.stage in self.abar
+        if op.kind is OpKind.OFFLOAD:
+            if not exists:
+                what = f"a standalone a_{op.stage}" if op.buffer == "a" else f"the bundle abar_{op.stage}"
+                raise fail(f"{what} is not live, so there is nothing to offload")
+            if key in self.offloading or key in self.on_host or key in self.prefetching:
+                raise fail(f"{op.buffer}_{op.stage} is already offloaded (prefetch it before offloading it again)")
+            start = max(self.time, self.links["to_host"])
+            end = start + self.bandwidth.seconds(self.nbytes(key), "to_host")
+            self.links["to_host"] = self.offloading[key] = end
+            self.host_spans.append((self.time, float("inf"), self.nbytes(key)))
+            return
+        # Prefetch
+        if not exists or (key not in self.offloading and key not in self.on_host):
+            raise fail(f"{op.buffer}_{op.stage} is not on the host (offload it first)")
+        after = self.offloading.pop(key, None)  # still being copied: its device bytes stay
+        if after is None:
+            self.on_host.discard(key)
+            self.cur += self.nbytes(key)
+            after = 0.0
+        start = max(self.time, self.links["to_device"], after)
+        ready = start + self.bandwidth.seconds(self.nbytes(key), "to_device")
+        self.links["to_device"] = self.prefetching[key] = ready
+        n = next(n for n in range(len(self.host_spans) - 1, -1, -1) if self.host_spans[n][1] == float("inf"))
+        t0, _, b = self.host_spans[n]
+        self.host_spans[n] = (t0, ready, b)
+
+    def start(self, op: Op, fail) -> None:
+        """Start a compute op: wait for its prefetches, release finished offloads, check that
+        what it reads is on the device."""
+        needs = self.needs(op) if op.kind is not OpKind.LOSS or self.a_live(op.stage) else []
+        begin = max([self.time] + [self.prefetching[k] for k in needs if k in self.prefetching])
+        self.stall += begin - self.time
+        self.time = begin
+        for key, end in list(self.offloading.items()):
+            if end <= begin:
+                del self.offloading[key]
+                self.on_host.add(key)
+                self.cur -= self.nbytes(key)
+        for key in needs:
+            if key in self.on_host:
+                raise fail(
+                    f"reads {key[0]}_{key[1]}, whose offload ended and which was not prefetched "
+                    f"(add ('Prefetch', {key[1]}, {key[0]!r}) before it)"
+                )
+            self.prefetching.pop(key, None)
+
+    def freed(self, key: Key) -> None:
+        """A buffer an op frees: forget its transfers."""
+        self.offloading.pop(key, None)
+        self.prefetching.pop(key, None)
+
+    def host_peak(self) -> int:
+        events = sorted([(t0, -b) for t0, _, b in self.host_spans] + [(t1, b) for _, t1, b in self.host_spans])
+        top = cur = 0
+        for _, negb in events:  # at equal times an arrival counts before a departure
+            cur -= negb
+            top = max(top, cur)
+        return top
+
+    def step(self, op: Op | tuple, position: int = 0) -> int | None:
+        """Apply ``op``; return the bytes in use while it runs (without ``a_0``), ``None`` for a
+        transfer op (it takes no compute time).
 
         Raises ``ValueError`` naming ``position`` if the op is not allowed here.
         """
@@ -64,6 +191,13 @@ class Machine:
         def fail(why: str) -> ValueError:
             return ValueError(f"op #{position} {op!r}: {why}")
 
+        if kind in TRANSFER_KINDS:
+            if not 0 <= i <= L:
+                raise fail(f"stage index out of range 0..{L}")
+            self.transfer(op, fail)
+            return None
+        if self.offloading or self.prefetching or self.on_host:
+            self.start(op, fail)
         if kind in FORWARD_KINDS:
             if not 0 <= i < L:
                 raise fail(f"stage index out of range 0..{L - 1}")
@@ -86,6 +220,7 @@ class Machine:
                 if kind is OpKind.FN and i in self.a:
                     self.a.discard(i)
                     self.cur -= int(c.x[i])
+                    self.freed(("a", i))
             self.time += float(c.fwd[i])
             return peak
         if kind is OpKind.LOSS:
@@ -102,6 +237,7 @@ class Machine:
             if L in self.a:
                 self.a.discard(L)
                 self.cur -= int(c.x[L])
+                self.freed(("a", L))
             return peak
         # OpKind.B or OpKind.FB: the backward of stage i
         if not 0 <= i < L:
@@ -121,6 +257,7 @@ class Machine:
             xbar, bwd, bwd_tmp = c.option_table[i][self.abar.pop(i)]
             peak = self.cur + int(c.x[i]) + bwd_tmp
             self.cur -= xbar
+            self.freed(("abar", i))
             self.time += bwd
         else:
             if i in self.abar:
@@ -134,27 +271,33 @@ class Machine:
         if i in self.a:
             self.a.discard(i)
             self.cur -= int(c.x[i])
+            self.freed(("a", i))
         self.next_b = i - 1
         return peak
 
 
-def simulate(costs: ChainCosts, ops: Iterable[Op | tuple]) -> tuple[int, float]:
-    """Replay ``ops`` on ``costs``; return ``(peak_bytes, time)``.
+def simulate(costs: ChainCosts, ops: Iterable[Op | tuple], *, bandwidth: BandwidthLike | None = None) -> Replay:
+    """Replay ``ops`` on ``costs``; return ``(peak_bytes, time)`` as a :class:`Replay` (with
+    ``.host_peak`` and ``.stall``).
 
-    The peak is ``x[0]`` plus the largest "peak while it runs" over all ops; the time is the
-    sum of the forward and backward times of the ops. Raises ``ValueError`` naming the op's
-    position and what was wrong if the schedule breaks a rule or does not finish.
+    The peak is ``x[0]`` plus the largest "peak while it runs" over the compute ops; the time is
+    the end of the last compute op: the sum of their times plus the stalls waiting for
+    prefetches. ``bandwidth`` (bytes per time unit, one number or ``(to_host, to_device)``) is
+    needed by ``Offload`` and ``Prefetch`` ops. Raises ``ValueError`` naming the op's position
+    and what was wrong if the schedule breaks a rule or does not finish.
     """
     if not isinstance(costs, ChainCosts):
         raise TypeError(f"simulate expects ChainCosts, got {type(costs).__name__}")
-    m = Machine(costs)
+    m = Machine(costs, None if bandwidth is None else Bandwidth.of(bandwidth))
     top = 0
     for n, op in enumerate(ops):
-        top = max(top, m.step(op, n))
+        peak = m.step(op, n)
+        if peak is not None:
+            top = max(top, peak)
     if not m.done:
         missing = "Loss" if not m.loss_done else f"('B', {m.next_b}) .. ('B', 0)"
         raise ValueError(f"schedule ends before the backward is complete: missing {missing}")
-    return int(costs.x[0]) + top, m.time
+    return Replay(int(costs.x[0]) + top, m.time, m.host_peak(), m.stall)
 
 
 def predicted_flops(costs: ChainCosts, ops: Iterable[Op | tuple]) -> float | None:
@@ -178,4 +321,4 @@ def predicted_flops(costs: ChainCosts, ops: Iterable[Op | tuple]) -> float | Non
     return total
 
 
-__all__ = ["Machine", "predicted_flops", "simulate"]
+__all__ = ["Machine", "Replay", "predicted_flops", "simulate"]

@@ -120,7 +120,7 @@ def solve(costs: ChainCosts, budget: Budget, *, algorithm: str = "optimal", slot
     found = _check(costs, algorithm, slots)
     sched = found.solve(costs, budget_bytes(costs, budget), int(slots))
     if sched.algorithm != algorithm:  # asked by an alias: say so
-        sched = Schedule(sched.ops, sched.time, sched.peak, sched.budget, algorithm, sched.costs, sched.note)
+        sched = sched.with_algorithm(algorithm)
     return sched
 
 
