@@ -17,26 +17,30 @@ from jaxremat.core.compile import compiler_options, jit
 from jaxremat.core.costs import ChainCosts, StageOption
 from jaxremat.core.ops import Op, OpKind
 from jaxremat.core.schedule import InfeasibleBudget, Schedule, StageDecision
-from jaxremat.core.simulator import simulate
+from jaxremat.core.simulator import Replay, simulate
+from jaxremat.core.transfers import Bandwidth
 from jaxremat.core.units import format_bytes, parse_bytes
 from jaxremat.model import Chain, Repeat
 from jaxremat.profiling.profiler import profile
 from jaxremat.run import execute
-from jaxremat.solvers import ALGORITHMS, min_budget, pareto, solve
+from jaxremat.solvers import ALGORITHMS, OFFLOAD_ALGORITHMS, min_budget, pareto, solve
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALGORITHMS",
+    "Bandwidth",
     "Budget",
     "Chain",
     "ChainCosts",
     "InfeasibleBudget",
     "Op",
+    "OFFLOAD_ALGORITHMS",
     "OpKind",
     "Plan",
     "RematChain",
     "RematSequential",
+    "Replay",
     "Repeat",
     "Schedule",
     "StageDecision",

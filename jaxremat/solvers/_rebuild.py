@@ -32,8 +32,9 @@ def base_choice(args: dict[str, np.ndarray], s: int, m: int) -> int:
     return K if t[K] == best else int(np.argmax(t == best))
 
 
-def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray]) -> list[Op]:
-    """Walk the table ``A[s, t - s, m]`` from ``(0, L, S)`` and emit the ops of the best option at every node.
+def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray], root: tuple[int, int, int] | None = None) -> list[Op]:
+    """Walk the table ``A[s, t - s, m]`` from ``root`` (``(s, t, m)``; ``(0, L, S)`` by default)
+    and emit the ops of the best option at every node.
 
     Options are evaluated with the same float32 arithmetic as the fill; any finite option is
     feasible by construction, so the walk never dead-ends on a finite root.
@@ -45,7 +46,7 @@ def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray]) -> list[Op]:
     K = xbar.shape[0]
     back = x[None, : L + 1] + x[None, 1 : L + 2] + xbar[:, : L + 1] + args["bwd_tmp"][:, : L + 1]
     ops: list[Op] = []
-    stack: list[_Node | Op] = [_Node(0, L, S)]
+    stack: list[_Node | Op] = [_Node(0, L, S) if root is None else _Node(*root)]
     while stack:
         item = stack.pop()
         if isinstance(item, Op):

@@ -11,19 +11,23 @@ import numpy as np
 from jaxremat.core.budgets import Budget, budget_bytes, store_all_peak
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
+from jaxremat.core.transfers import Bandwidth, BandwidthLike
 from jaxremat.solvers import baselines
+from jaxremat.solvers.offload import offload_min_budget, solve_offload
 from jaxremat.solvers.optimal import optimal_min_budget, solve_optimal
 
 
 @dataclass(frozen=True)
 class Algorithm:
     """A named way of making a schedule: ``solve(costs, budget_bytes, slots)`` (raises
-    :class:`~jaxremat.InfeasibleBudget` when nothing fits) and ``min_budget(costs, slots)``."""
+    :class:`~jaxremat.InfeasibleBudget` when nothing fits) and ``min_budget(costs, slots)``.
+    An algorithm that ``offloads`` takes a :class:`~jaxremat.Bandwidth` as a last argument of both."""
 
     name: str
-    solve: Callable[[ChainCosts, int, int], Schedule]
-    min_budget: Callable[[ChainCosts, int], int]
+    solve: Callable[..., Schedule]
+    min_budget: Callable[..., int]
     description: str
+    offloads: bool = False
 
 
 def _fixed(name: str, description: str) -> Algorithm:
@@ -74,11 +78,15 @@ REGISTRY: dict[str, Algorithm] = {
         _fixed("every_stage", "jax.checkpoint around every stage"),
         _fixed("store_all", "plain autodiff"),
         _fixed("recompute_all", "keep only the input; quadratic time, least memory"),
+        Algorithm("optimal_offload", solve_offload, offload_min_budget,
+                  "remat and host offloading together (POFO-style); never slower than 'optimal'", offloads=True),
     )
 }
 ALIASES = {"rotor": "optimal"}
-#: The algorithms' names (aliases in :data:`ALIASES`).
-ALGORITHMS = tuple(REGISTRY)
+#: The names of the algorithms that only rematerialise (aliases in :data:`ALIASES`).
+ALGORITHMS = tuple(name for name, a in REGISTRY.items() if not a.offloads)
+#: The names of the algorithms that also offload to host memory (they take ``bandwidth=``).
+OFFLOAD_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.offloads)
 
 
 def canonical(algorithm: str) -> str:
@@ -86,21 +94,38 @@ def canonical(algorithm: str) -> str:
     choices when it is unknown."""
     name = ALIASES.get(algorithm, algorithm)
     if name not in REGISTRY:
-        known = ", ".join(repr(a) for a in ALGORITHMS + tuple(ALIASES))
+        known = ", ".join(repr(a) for a in tuple(REGISTRY) + tuple(ALIASES))
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {known}")
     return name
 
 
-def _check(costs: ChainCosts, algorithm: str, slots: int) -> Algorithm:
+def _check(costs: ChainCosts, algorithm: str, slots: int, bandwidth: BandwidthLike | None = None) -> tuple[Algorithm, tuple]:
+    """The algorithm and the extra arguments it takes (a :class:`Bandwidth` when it offloads)."""
     if not isinstance(costs, ChainCosts):
         raise TypeError(f"expected ChainCosts, got {type(costs).__name__}; build one with jaxremat.ChainCosts(...)")
     found = REGISTRY[canonical(algorithm)]
     if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
         raise ValueError(f"slots must be an int >= 1 (500 by default), got {slots!r}")
-    return found
+    if not found.offloads:
+        if bandwidth is not None:
+            offloading = ", ".join(repr(a.name) for a in REGISTRY.values() if a.offloads)
+            raise ValueError(
+                f"bandwidth is for an algorithm that offloads to host memory ({offloading}); "
+                f"{found.name!r} moves nothing, so leave bandwidth out"
+            )
+        return found, ()
+    if bandwidth is None:
+        raise ValueError(
+            f"algorithm {found.name!r} needs bandwidth=: bytes per time unit of the device-host links "
+            "(one number, or (to_host, to_device)), in the time unit of the costs"
+        )
+    return found, (Bandwidth.of(bandwidth),)
 
 
-def solve(costs: ChainCosts, budget: Budget, *, algorithm: str = "optimal", slots: int = 500) -> Schedule:
+def solve(
+    costs: ChainCosts, budget: Budget, *, algorithm: str = "optimal", slots: int = 500,
+    bandwidth: BandwidthLike | None = None,
+) -> Schedule:
     """The schedule of ``algorithm`` for ``costs`` within ``budget``.
 
     Args:
@@ -108,8 +133,11 @@ def solve(costs: ChainCosts, budget: Budget, *, algorithm: str = "optimal", slot
       budget: bytes (int), a string with a unit (``"512MiB"``, ``"2GB"``), a share of the
         store-all peak (``"40%"``), or ``None`` for the store-all peak.
       algorithm: ``"optimal"`` (alias ``"rotor"``), ``"revolve"``, ``"sqrt"``,
-        ``"every_stage"``, ``"store_all"`` or ``"recompute_all"``.
-      slots: memory discretisation of the DP (``"optimal"`` only).
+        ``"every_stage"``, ``"store_all"``, ``"recompute_all"``, or ``"optimal_offload"``
+        (remat and host offloading together).
+      slots: memory discretisation of the DP (``"optimal"`` and ``"optimal_offload"``).
+      bandwidth: for ``"optimal_offload"`` only: bytes per time unit of the device-to-host and
+        host-to-device links (one number for both, or a pair), in the costs' time unit.
 
     Returns:
       A :class:`~jaxremat.Schedule` whose simulated peak is within the budget.
@@ -117,16 +145,19 @@ def solve(costs: ChainCosts, budget: Budget, *, algorithm: str = "optimal", slot
     Raises:
       InfeasibleBudget: no schedule of this algorithm fits; ``.min_budget`` says what would.
     """
-    found = _check(costs, algorithm, slots)
-    sched = found.solve(costs, budget_bytes(costs, budget), int(slots))
+    found, extra = _check(costs, algorithm, slots, bandwidth)
+    sched = found.solve(costs, budget_bytes(costs, budget), int(slots), *extra)
     if sched.algorithm != algorithm:  # asked by an alias: say so
         sched = sched.with_algorithm(algorithm)
     return sched
 
 
-def min_budget(costs: ChainCosts, *, algorithm: str = "optimal", slots: int = 500) -> int:
+def min_budget(
+    costs: ChainCosts, *, algorithm: str = "optimal", slots: int = 500, bandwidth: BandwidthLike | None = None
+) -> int:
     """Smallest budget in bytes for which ``solve(costs, budget, algorithm=...)`` succeeds."""
-    return _check(costs, algorithm, slots).min_budget(costs, int(slots))
+    found, extra = _check(costs, algorithm, slots, bandwidth)
+    return found.min_budget(costs, int(slots), *extra)
 
 
 def pareto(
@@ -136,15 +167,16 @@ def pareto(
     budgets: Sequence[Budget] | None = None,
     slots: int = 500,
     points: int = 20,
+    bandwidth: BandwidthLike | None = None,
 ) -> list[Schedule]:
     """The time-memory front of ``algorithm``: one schedule per feasible budget, by budget.
 
     Without ``budgets``, sweeps ``points`` budgets evenly from the algorithm's minimum budget to
     the store-all peak. Infeasible budgets are left out.
     """
-    _check(costs, algorithm, slots)
+    _check(costs, algorithm, slots, bandwidth)
     if budgets is None:
-        lo = min_budget(costs, algorithm=algorithm, slots=slots)
+        lo = min_budget(costs, algorithm=algorithm, slots=slots, bandwidth=bandwidth)
         hi = max(store_all_peak(costs), lo)
         sweep = sorted({int(b) for b in np.linspace(lo, hi, points)})
     else:
@@ -152,10 +184,10 @@ def pareto(
     front = []
     for b in sweep:
         try:
-            front.append(solve(costs, b, algorithm=algorithm, slots=slots))
+            front.append(solve(costs, b, algorithm=algorithm, slots=slots, bandwidth=bandwidth))
         except InfeasibleBudget:
             continue
     return front
 
 
-__all__ = ["ALGORITHMS", "ALIASES", "REGISTRY", "Algorithm", "canonical", "min_budget", "pareto", "solve"]
+__all__ = ["ALGORITHMS", "ALIASES", "OFFLOAD_ALGORITHMS", "REGISTRY", "Algorithm", "canonical", "min_budget", "pareto", "solve"]
