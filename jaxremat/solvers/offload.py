@@ -120,13 +120,6 @@ def _shift(v: np.ndarray, by: int) -> np.ndarray:
     return out
 
 
-def _shift_rows(v: np.ndarray, by: np.ndarray) -> np.ndarray:
-    """Row ``r`` of the result is ``v[m - by[r]]`` (``inf`` where ``m < by[r]``)."""
-    n = v.shape[-1]
-    idx = np.arange(n)[None, :] - by[:, None]
-    return np.where(idx >= 0, v[np.clip(idx, 0, n - 1)], INF)
-
-
 class _Choice(tuple):
     """``(kind, arg, offload)``: ``("store", k, o)`` or ``("ck", j, o)``."""
 
@@ -163,20 +156,32 @@ def _steps(p: _Problem, s: int, h: int):
 
 
 def fill(p: _Problem) -> list[np.ndarray]:
-    """``W[s]``, an array ``(H, G, S + 1)`` per ``s = 0..L`` (``inf``: infeasible)."""
+    """``W[s]``, an array ``(H, G, S + 1)`` per ``s = 0..L`` (``inf``: infeasible). Only the
+    rows ``g`` a caller can pass are filled: the held inputs of steps before ``s``."""
     L, S, H, G = p.L, p.S, p.H, len(p.groups)
     m = np.arange(S + 1)
     W: list[np.ndarray] = [np.full((H, G, S + 1), INF) for _ in range(L + 1)]
     # the loss: needs x[L] free, with g's prefetch beside it (the loss itself takes no time)
     W[L][0] = np.where(m[None, :] >= p.c.x[L] + p.g_slots[:, None], p.g_time[:, None], INF)
+    rows = {0}
+    callers: list[np.ndarray] = []
+    for s in range(L + 1):
+        callers.append(np.array(sorted(rows)))
+        rows.update(p.group(p.held(s, h)) for h in range(1, H))
+    pad = np.full(S + 1, INF)
     for s in range(L - 1, -1, -1):
+        g_rows = callers[s]
+        g_slots, g_time = p.g_slots[g_rows], p.g_time[g_rows][:, None]
         for h in range(H):
             held = p.held(s, h)
             if h and held is None:
                 continue
             gnext = p.group(held)
             p_slots = 0 if held is None else held.slots
-            best = W[s][h]
+            # row r of a backward over m_b = m - held - g_r: index into [inf * (S+1), C(., s, j-1)]
+            index = np.clip(m[None, :] - p_slots - g_slots[:, None], -1 - S, S) + S + 1
+            best = np.full((len(g_rows), S + 1), INF)
+            tb, tb_of = None, None
             for choice, ftime, need, (j, h2, shift), bwd in _steps(p, s, h):
                 if h2 and j >= L:
                     continue  # the loss's held input stays on the device
@@ -186,15 +191,16 @@ def fill(p: _Problem) -> list[np.ndarray]:
                 succ = np.where(m >= need, succ, INF)
                 if not np.isfinite(succ).any():
                     continue
-                if bwd is not None:  # B s: a scalar time; memory back + g beside it
-                    t, back = bwd
-                    ok = m[None, :] - p_slots - p.g_slots[:, None] >= back
-                    tb = np.where(ok, np.maximum(t, p.g_time[:, None]), INF)
-                else:  # a checkpointed segment's backward: C(m - held - g, s, j - 1)
-                    tb = _shift_rows(p.nested(s, j - 1), p.g_slots + p_slots)
-                    tb = np.maximum(tb, p.g_time[:, None])
-                total = ftime + succ[None, :] + tb
+                if tb_of != (choice[0], choice[1]):  # the same backward for both offload choices
+                    tb_of = (choice[0], choice[1])
+                    if bwd is not None:  # B s: a scalar time; memory: back, with held and g
+                        t, back = bwd
+                        tb = np.where(m[None, :] - p_slots - g_slots[:, None] >= back, np.maximum(t, g_time), INF)
+                    else:  # a checkpointed segment's backward: C(m - held - g, s, j - 1)
+                        tb = np.maximum(np.concatenate([pad, p.nested(s, j - 1)])[index], g_time)
+                total = (ftime + succ)[None, :] + tb
                 np.minimum(best, total, out=best)
+            W[s][h, g_rows] = best
     return W
 
 
