@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from jaxremat.core.ops import Op, OpKind, ops_of
+from jaxremat.core.ops import TRANSFER_KINDS, Op, OpKind, ops_of
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,33 @@ def parse(ops: Sequence[Op | tuple], L: int) -> Node:
     return tree
 
 
+def parse_offloads(ops: Sequence[Op | tuple], L: int) -> tuple[Node, frozenset[tuple[str, int]]]:
+    """The tree of a schedule with transfer ops, and the buffers it offloads (``("a", i)``:
+    the input of the top-level unit starting at ``i``; ``("abar", i)``: the bundle of the
+    top-level stored stage ``i``). Where the copies run is XLA's to schedule, so only which
+    buffers move matters here; ``ValueError`` for an offload the executor cannot run (a buffer
+    that is not kept by the first forward pass's top-level units, or never prefetched)."""
+    ops = ops_of(ops)
+    tree = parse([op for op in ops if op.kind not in TRANSFER_KINDS], L)
+    spine, _ = units(tree)
+    starts = {u.start for u in spine if u.start > 0}
+    stored = {u.stage for u in spine if isinstance(u, StoreUnit)}
+    moved: set[tuple[str, int]] = set()
+    for n, op in enumerate(ops):
+        if op.kind is OpKind.OFFLOAD:
+            key = (op.buffer, op.stage)
+            if (op.buffer == "a" and op.stage not in starts) or (op.buffer == "abar" and op.stage not in stored):
+                raise ValueError(
+                    f"op #{n} {op!r}: the executor offloads what the first forward pass keeps at the top "
+                    "level (the input of a top-level unit, or a top-level stored stage's bundle), as "
+                    "'optimal_offload' plans it"
+                )
+            moved.add(key)
+        elif op.kind is OpKind.PREFETCH and (op.buffer, op.stage) not in moved:
+            raise ValueError(f"op #{n} {op!r}: prefetches a buffer that was not offloaded before it")
+    return tree, frozenset(moved)
+
+
 def units(node: Node) -> tuple[list[Unit], Leaf]:
     """A segment's tree as its sequence of top-level units and its final leaf."""
     spine: list[Unit] = []
@@ -205,6 +232,7 @@ def to_ops(node: Node, L: int) -> list[Op]:
 
 
 __all__ = [
-    "Leaf", "Node", "Region", "RegionUnit", "Store", "StoreUnit", "Unit", "build", "parse", "shape", "shift", "to_ops",
+    "Leaf", "Node", "Region", "RegionUnit", "Store", "StoreUnit", "Unit", "build", "parse", "parse_offloads", "shape",
+    "shift", "to_ops",
     "units",
 ]

@@ -7,12 +7,15 @@ from typing import Any, Callable
 import jax
 from jax import lax
 
+from jaxremat.run._offload import to_device, to_host
+
 RegionBody = Callable[[dict, dict, Any], tuple[Any, dict]]
 
 
-def tied_checkpoint(body: RegionBody) -> Callable[..., tuple[Any, dict]]:
+def tied_checkpoint(body: RegionBody, *, offload: bool = False) -> Callable[..., tuple[Any, dict]]:
     """``body(variables, keys, a) -> (out, updates)`` keeping only its inputs for the backward
-    pass, where it is recomputed once the output's cotangent has arrived.
+    pass, where it is recomputed once the output's cotangent has arrived. ``offload=True``
+    keeps the saved input ``a`` in host memory until the backward pass needs it.
 
     ``jax.checkpoint``'s recomputation depends only on the saved input, so XLA may schedule it
     as early as it likes (before later stages' backward has freed their memory); here the saved
@@ -31,9 +34,11 @@ def tied_checkpoint(body: RegionBody) -> Callable[..., tuple[Any, dict]]:
         return lax.optimization_barrier(out), updates
 
     def fwd(owned: dict, keys: dict, a: Any) -> tuple[tuple[Any, dict], tuple]:
-        return region(owned, keys, a), (owned, keys, a)
+        return region(owned, keys, a), (owned, keys, to_host(a) if offload else a)
 
     def bwd(res: tuple, g: tuple[Any, Any]) -> tuple:
+        if offload:
+            res = (*res[:2], to_device(res[2]))
         owned, keys, a, g_out = lax.optimization_barrier((*res, g[0]))
         _, pull = jax.vjp(lambda owned, a: body(owned, keys, a)[0], owned, a)
         # the input's cotangent leaves with the parameters' through one barrier: the region

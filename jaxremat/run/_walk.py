@@ -14,6 +14,7 @@ from jaxremat.core.policies import Policy
 from jaxremat.core.tree import Node, StoreUnit, Unit, units
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs, stage_rngs
+from jaxremat.run._offload import offloaded_stage
 from jaxremat.run._regions import tied_checkpoint
 from jaxremat.run._scans import run_selective, scan_units
 from jaxremat.run._variables import Cut, Env, unstack
@@ -29,10 +30,11 @@ class Walker:
 
     def __init__(
         self, chain: Chain, rngs: Rngs, cut: Cut, loops: LoopPlan, alike: Alike, scan: bool | None,
-        policies: dict[tuple[int, int], Policy],
+        policies: dict[tuple[int, int], Policy], offloaded: frozenset[tuple[str, int]] = frozenset(),
     ):
         self.chain, self.rngs, self.cut, self.loops, self.alike, self.scan = chain, rngs, cut, loops, alike, scan
         self.policies = policies  # (stage, store option) -> the checkpoint policy it runs under
+        self.offloaded = offloaded  # ("a", i) / ("abar", i): buffers kept in host memory
         self.L = len(chain)
 
     # -- one stage, one unit ---------------------------------------------------------------------
@@ -45,12 +47,17 @@ class Walker:
             return env.keys[i]
         return stage_rngs(self.rngs, i + (env.offset if env is not None else 0))
 
-    def stage(self, i: int, a: Any, updates: dict, env: Env | None, option: int = 0) -> Any:
+    def stage(self, i: int, a: Any, updates: dict, env: Env | None, option: int = 0, top: bool = False) -> Any:
         """Stage ``i`` stored under ``option``: 0 keeps every residual, another runs the stage
-        under ``jax.checkpoint`` with the option's policy (its backward recomputes the rest)."""
+        under ``jax.checkpoint`` with the option's policy (its backward recomputes the rest).
+        A top-level stage whose bundle or input the schedule offloads keeps them in host memory."""
         apply = self.chain.stages[i].apply
         if option:
             apply = jax.checkpoint(apply, policy=self.policies[(i, option)])
+        bundle, inputs = top and ("abar", i) in self.offloaded, top and ("a", i) in self.offloaded
+        if bundle or inputs:
+            moved = offloaded_stage(apply, bundle=bundle, inputs=inputs)
+            apply = lambda v, a, keys: moved(v, keys, a)  # noqa: E731
         out, new = apply(self.variables(i, env), a, self.keys(i, env))
         if new:
             updates[i] = new
@@ -58,7 +65,7 @@ class Walker:
 
     def unit(self, unit: Unit, a: Any, updates: dict, env: Env | None) -> Any:
         if isinstance(unit, StoreUnit):
-            return self.stage(unit.stage, a, updates, env, unit.option)
+            return self.stage(unit.stage, a, updates, env, unit.option, top=env is None)
         # everything the region reads is an explicit input (no closure over traced values), so
         # that its recomputation can run in the backward pass, after the cotangent arrives
         span = range(unit.start, unit.stop)
@@ -70,7 +77,8 @@ class Walker:
             return self.run(unit.inner, unit.stop, a, local, Env(owned, 0, owned_keys)), local
 
         warn_unless_planned(stacklevel=6)
-        a, local = tied_checkpoint(body)(owned, owned_keys, a)
+        offload = env is None and ("a", unit.start) in self.offloaded
+        a, local = tied_checkpoint(body, offload=offload)(owned, owned_keys, a)
         updates.update(local)
         return a
 
@@ -119,7 +127,7 @@ class Walker:
             k = first.stop - first.start
             if first.start in self.loops.stacked_runs:
                 stacked = self.cut.pieces[first.start]
-            elif self.scan and j - i >= 2 and self.keeps_shape(first, a):
+            elif self.scan and j - i >= 2 and not self.moves(run_units[i:j]) and self.keeps_shape(first, a):
                 stacked = self.stack(run_units[i:j])
             else:
                 for unit in run_units[i:j]:
@@ -128,6 +136,10 @@ class Walker:
             a = scan_units(self.apply_all((first,)), first.start, k, j - i, a, updates, stacked, lambda P: P,
                            cut_in_checkpoint=False)
         return a
+
+    def moves(self, run: tuple[Unit, ...]) -> bool:
+        """Whether the schedule offloads anything of ``run``'s units (they then run one by one)."""
+        return any(key[1] in range(u.start, u.stop) for u in run for key in self.offloaded)
 
     def apply_all(self, pattern: tuple[Unit, ...]):
         def apply(env: Env, a: Any, local: dict) -> Any:

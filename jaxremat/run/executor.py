@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from jaxremat.core.policies import Policy, resolve
 from jaxremat.core.schedule import Schedule
-from jaxremat.core.tree import parse, units
+from jaxremat.core.tree import parse_offloads, units
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs
 from jaxremat.run._variables import cut_variables
@@ -44,6 +44,11 @@ def execute(
     updated once per step. ``policies`` names the checkpoint policies of store options that are
     not built in (:mod:`jaxremat.core.policies`).
 
+    Offloaded buffers (``Offload`` / ``Prefetch`` ops of ``"optimal_offload"``) are moved with
+    ``jax.device_put`` to ``jax.memory.Space.Host`` in the forward pass and back before the
+    backward reads them (:mod:`~jaxremat.run._offload`): a region's saved input, a stored stage's
+    residuals. A Repeat layer with an offloaded buffer runs unrolled, not as a loop.
+
     Runs of alike units (same structure over stages with the same identity) run as one
     ``lax.scan``, so that tracing and compiling stay flat with depth:
 
@@ -57,7 +62,7 @@ def execute(
     L = len(chain)
     if schedule.costs.length != L:
         raise ValueError(f"the schedule is for a chain of {schedule.costs.length} stages; this chain has {L}")
-    tree = parse(schedule.ops, L)
+    tree, offloaded = parse_offloads(schedule.ops, L)
     spine, _ = units(tree)
     used = {(op.stage, op.option) for op in schedule.ops if op.option}
     resolved = {
@@ -68,11 +73,11 @@ def execute(
     def forward(variables: Any, x: Any, rngs: Rngs = None) -> tuple[Any, Any]:
         shapes = chain.stage_shapes(variables)  # the loops depend on the variables' shapes
         alike = Alike(chain, shapes)
-        loops = plan_loops(chain, shapes, spine, scan, alike)
+        loops = plan_loops(chain, shapes, spine, scan, alike, offloaded)
         for layer in loops.sliced_layers:
             _warn_copies(layer)
         updates: dict[int, Any] = {}
-        walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, resolved)
+        walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, resolved, offloaded)
         return walker.run(tree, L, x, updates), updates
 
     return forward

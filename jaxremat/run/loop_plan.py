@@ -128,15 +128,21 @@ def find_pattern(units: Sequence[Unit], start: int, stop: int, alike: Alike) -> 
 
 
 def plan_loops(
-    chain: Chain, shapes: Sequence[Any], units: Sequence[Unit], scan: bool | None, alike: Alike | None = None
+    chain: Chain, shapes: Sequence[Any], units: Sequence[Unit], scan: bool | None, alike: Alike | None = None,
+    offloaded: frozenset[tuple[str, int]] = frozenset(),
 ) -> LoopPlan:
     """The :class:`LoopPlan` of a schedule's top-level ``units`` on ``chain`` (variable ``shapes``
-    per stage). ``scan=False`` runs everything unrolled (no loops)."""
+    per stage). ``scan=False`` runs everything unrolled (no loops). A Repeat layer any of whose
+    buffers the schedule ``offloaded`` runs unrolled too (no loop moves buffers to host memory)."""
     alike = alike or Alike(chain, shapes)
     loops: dict[int, Loop] = {}
     sliced: list[int] = []
+    moved = {i for _, i in offloaded}
     if scan is not False:
         for g in chain.stacked:
+            if moved & set(range(g.start, g.start + g.length + 1)):
+                sliced.append(g.layer)
+                continue
             flags = selective_flags(units, g.start, g.start + g.length)
             found = SelectiveLoop(g.start, flags) if flags is not None else find_pattern(units, g.start, g.start + g.length, alike)
             if found is None:
@@ -167,7 +173,8 @@ def plan_loops(
             for a, b in alike.runs(seg.units):
                 first, last = seg.units[a], seg.units[b - 1]
                 found = chain.group_of(first.start)
-                if b - a >= 2 and found is not None and last.stop <= found[0].start + found[0].length:
+                offloads = moved & set(range(first.start, last.stop + 1))
+                if b - a >= 2 and found is not None and last.stop <= found[0].start + found[0].length and not offloads:
                     runs[first.start] = StackedRun(first.start, b - a, first.stop - first.start)
     return LoopPlan(tuple(segments), loops, runs, tuple(sliced))
 
