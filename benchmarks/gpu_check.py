@@ -3,13 +3,16 @@
     python benchmarks/gpu_check.py            # GPT-style and ResNet-style models, under 8 minutes on one GPU
     python benchmarks/gpu_check.py --tiny     # the same on small sizes (runs on a CPU, for testing)
 
-For each model: compile the training step (loss and gradients) under every manual strategy and
-under jaxremat ``"optimal"`` asked for each strategy's compiled memory, then run them in order of
+For each model: compile the training step (loss and gradients) under every manual strategy,
+under jaxremat ``"optimal"`` asked for each strategy's compiled memory, and under remat-only and
+remat + offload plans (``"optimal_offload"``, with the host links' bandwidths measured once) at 30%
+and 50% of the store-all peak; then run them in order of
 increasing compiled memory and read the device's ``peak_bytes_in_use`` after each (the peak only
 grows, so each reading is that step's peak as long as the order holds; a reading that did not
 grow is marked ``<=``). Times: median of timed calls synchronised with ``block_until_ready``.
-Prints a short table last and writes it to ``benchmarks/results/gpu_check.md`` with the card
-and date.
+Offload plans' gradients are compared with the no-remat step's (offloaded residuals have given
+wrong gradients on GPUs before). Prints a short table last and writes it to
+``benchmarks/results/gpu_check.md`` with the card and date.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 import jaxremat as jr
+from jaxremat.profiling.bandwidth import link_bandwidth
 from jaxremat.tools import compare
 from jaxremat.tools.models import gpt, resnet, sample_input
 
@@ -45,6 +50,11 @@ MANUAL = ("no remat", "remat every block", "checkpoint whole chain", "policy dot
 def device_bytes(key: str) -> int | None:
     stats = jax.devices()[0].memory_stats()
     return None if not stats or key not in stats else int(stats[key])
+
+
+def bandwidth() -> jr.Bandwidth:
+    """The links' measured bandwidths; on the CPU (``--tiny``), where nothing moves, a stand-in."""
+    return jr.Bandwidth(1e10, 1e10) if jax.devices()[0].platform == "cpu" else link_bandwidth()
 
 
 def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: int) -> list[list[str]]:
@@ -72,11 +82,26 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
         p = compare.Point(f"jaxremat at '{m.strategy}'", "matched", predicted_peak=sched.peak - x0,
                           predicted_overhead=sched.overhead, matches=m.strategy)
         points.append(compare.compile_point(p, step, params, x))
+    bw = bandwidth()
+    for share in ("30%", "50%"):
+        for alg in ("optimal", "optimal_offload"):
+            try:
+                sched = jr.solve(costs, share, algorithm=alg, **({"bandwidth": bw} if alg == "optimal_offload" else {}))
+            except jr.InfeasibleBudget:
+                continue
+            f = jr.execute(chain, sched)
+            step = compare.training_step(lambda vs, a, f=f: f(chain.merge(vs), a)[0], per)
+            p = compare.Point(f"jaxremat {alg} at {share} ({len(sched.offloads)} offloaded)", "offload",
+                              predicted_peak=sched.peak - x0, predicted_overhead=sched.overhead)
+            points.append(compare.compile_point(p, step, params, x))
     base_in_use = device_bytes("bytes_in_use")
+    outputs: dict[str, object] = {}
     rows, last_peak = [], None
     for p in sorted(points, key=lambda p: p.temp):  # increasing compiled memory: the peak only grows
         out = p.compiled(params, x)
         jax.block_until_ready(out)
+        if p.strategy == "no remat" or p.kind == "offload":
+            outputs[p.strategy] = jax.tree.map(np.asarray, out)  # to host: compared after the runs
         del out
         peak = device_bytes("peak_bytes_in_use")
         grew = last_peak is None or peak is None or peak > last_peak
@@ -86,9 +111,15 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
             jax.block_until_ready(p.compiled(params, x))
             p.times.append(time.perf_counter() - t0)
         p.note = "n/a" if peak is None else ("" if grew else "<=") + jr.format_bytes(peak - (base_in_use or 0))
+    for p in points:
+        if p.kind == "offload":
+            got, ref = jax.tree.leaves(outputs[p.strategy]), jax.tree.leaves(outputs["no remat"])
+            err = max(float(np.max(np.abs(a - b))) for a, b in zip(got, ref)) / max(float(np.max(np.abs(b))) for b in ref)
+            p.matches = f"grads rel. err {err:.1e}"
     base = next(p for p in points if p.strategy == "no remat")
     for p in points:
-        rows.append([label, p.strategy, jr.format_bytes(p.temp),
+        rows.append([label, p.strategy + (f"; {p.matches}" if p.kind == "offload" and p.matches else ""),
+                     jr.format_bytes(p.temp),
                      "" if p.predicted_peak is None else jr.format_bytes(p.predicted_peak), p.note,
                      f"{p.time * 1e3:.1f}", f"{p.time / base.time:.2f}",
                      "" if p.predicted_overhead is None else f"{p.predicted_overhead:.2f}"])
@@ -119,6 +150,9 @@ def main(argv: list[str] | None = None) -> str:
         "",
         f"Command: `python benchmarks/gpu_check.py{' --tiny' if args.tiny else ''}` "
         f"({time.perf_counter() - t_start:.0f} s in all)",
+        "",
+        f"Host links (jaxremat.profiling.bandwidth, measured once): {bandwidth().to_host / 1e9:.1f} GB/s to the host, "
+        f"{bandwidth().to_device / 1e9:.1f} GB/s back" + (" (a stand-in: nothing moves on the CPU)" if args.tiny else ""),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),

@@ -95,6 +95,10 @@ def _subs(eqn):
                 yield q
 
 
+TRACED = pytest.mark.filterwarnings("ignore:jaxremat. on the CPU")  # traced to a jaxpr on purpose, not compiled
+
+
+@TRACED
 def test_the_step_holds_exactly_the_planned_transfers(noisy):
     chain, x, v, costs, schedules = noisy
     rngs = {"dropout": jax.random.key(7)}
@@ -114,6 +118,7 @@ def test_the_step_holds_exactly_the_planned_transfers(noisy):
                 assert int(costs.x[op.stage]) in to_host
 
 
+@TRACED
 def test_lowered_for_a_gpu_xla_is_handed_the_transfers(noisy):
     chain, x, v, costs, schedules = noisy
     rngs = {"dropout": jax.random.key(7)}
@@ -136,3 +141,24 @@ def test_executor_refuses_offloads_it_cannot_run():
     s = jr.Schedule.from_ops(costs, inner, budget=None, algorithm="by hand", bandwidth=1.0)
     with pytest.raises(ValueError, match="top level"):
         execute(chain, s)
+
+
+def test_remat_chain_plans_offload_and_says_what_the_cpu_cannot_measure(tmp_path):
+    layers = lambda: nn.Sequential([Wide() for _ in range(6)])  # noqa: E731
+    with pytest.raises(ValueError, match="needs bandwidth= on the CPU"):
+        jr.remat_chain("50%", algorithm="optimal_offload")(layers())
+    with pytest.raises(ValueError, match="moves nothing to host memory"):
+        jr.remat_chain("50%", bandwidth=1e9)(layers())
+    model = jr.remat_chain("40%", algorithm="optimal_offload", bandwidth=1e12, method="xla")(layers())
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    v = model.init(jax.random.key(0), x)
+    p = jr.plan(model, v, x)
+    assert p.schedule.offloads and "host memory" in p.report()
+    grads = jr.jit(jax.grad(lambda v: jnp.mean(model.apply(v, x) ** 2)))(v)
+    ref = jax.grad(lambda v: jnp.mean(layers().apply(v, x) ** 2))(v)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    p.save(tmp_path / "plan.json")
+    loaded = jr.load_plan(tmp_path / "plan.json")
+    assert loaded.schedule.ops == p.schedule.ops and loaded.schedule.bandwidth == p.schedule.bandwidth
+    assert (loaded.schedule.time, loaded.schedule.host_peak) == (p.schedule.time, p.schedule.host_peak)

@@ -52,11 +52,12 @@ def plan_options(method: str | None = None, profile: str | None = None, **option
         if method is not None and method != profile:
             raise ValueError(f"method={method!r} and profile={profile!r} disagree; give method= only")
         method = profile
-    unknown = sorted(set(options) - {"algorithm", "slots", "calibrate", "max_period", "policies", "profile_options"})
+    unknown = sorted(set(options) - {"algorithm", "slots", "calibrate", "max_period", "policies", "bandwidth",
+                                     "profile_options"})
     if unknown:
         raise TypeError(
             f"unknown option(s) {', '.join(unknown)}; the options are algorithm, method, slots, calibrate, max_period, "
-            "policies"
+            "policies, bandwidth"
         )
     return PlanOptions(method=method or "measure", **options)
 
@@ -84,8 +85,8 @@ def plan(
       budget: bytes, ``"512MiB"``, a share of the store-all peak (``"40%"``), or ``None`` for
         the store-all peak; required unless ``model`` has its own.
       costs: the chain's costs, when already profiled (no profiling then).
-      options: ``algorithm``, ``method``, ``slots``, ``calibrate``, ``max_period``, ``policies``
-        (:class:`~jaxremat.api.plans.PlanOptions`); other keywords go to
+      options: ``algorithm``, ``method``, ``slots``, ``calibrate``, ``max_period``, ``policies``,
+        ``bandwidth`` (:class:`~jaxremat.api.plans.PlanOptions`); other keywords go to
         :func:`jaxremat.profile` (``cache``, ``repeats``, ``quiet``, ``rates``).
 
     With ``calibrate=True``, XLA measures the compiled step of each candidate schedule and the
@@ -110,7 +111,7 @@ def plan(
             "peak); only a model from jaxremat.remat_chain(budget) has its own"
         )
     chain = model if isinstance(model, Chain) else Chain.from_linen(model)
-    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "profile"}
+    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "profile"}
     profile_options = {k: v for k, v in options.items() if k not in known}
     return make_plan(
         chain, variables, sample, budget,

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import jax
+
 from jaxremat.api import _loop_plans
 from jaxremat.api.calibrate import calibrated_solve, step_temp
 from jaxremat.core.budgets import Budget
@@ -15,15 +17,17 @@ from jaxremat.core.costs import ChainCosts
 from jaxremat.core.loops import MAX_PERIOD
 from jaxremat.core.policies import Policies, Policy, policies_of
 from jaxremat.core.schedule import Schedule
+from jaxremat.core.transfers import Bandwidth, BandwidthLike
 from jaxremat.model.chain import Chain
 from jaxremat.model.identity import leaf_signature, stage_identity
+from jaxremat.profiling.bandwidth import link_bandwidth
 from jaxremat.profiling.profiler import profile
 from jaxremat.run.executor import execute
-from jaxremat.solvers import canonical, solve
+from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical, solve
 
 FORMAT = "jaxremat-plan"
-VERSION = 3  # 2: signatures from jaxremat.model.identity; 3: store options and FB (contract version 2)
-READS = (2, 3)  # a version 2 plan is a version 3 plan without options
+VERSION = 4  # 2: signatures from jaxremat.model.identity; 3: store options and FB; 4: offloading (bandwidth)
+READS = (2, 3, 4)  # each version's plans are the next's without its additions
 
 
 def signature(chain: Chain, variables: Any, sample: Any) -> str:
@@ -48,6 +52,9 @@ class PlanOptions:
       policies: the checkpoint policies measured as store options of every stage
         (:data:`jaxremat.core.policies.Policies`: ``None`` for ``dots_saveable`` and
         ``dots_with_no_batch_dims_saveable``, a dict ``{name: policy}`` to add yours, ``()`` for none).
+      bandwidth: for ``algorithm="optimal_offload"``: bytes per second of the device-to-host and
+        host-to-device links (one number or a pair); ``None`` measures them on a GPU (once,
+        cached) and is an error on the CPU, where nothing moves.
     """
 
     algorithm: str = "optimal"
@@ -56,6 +63,7 @@ class PlanOptions:
     calibrate: bool = False
     max_period: int = MAX_PERIOD
     policies: Policies = None
+    bandwidth: BandwidthLike | None = None
     profile_options: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -64,7 +72,22 @@ class PlanOptions:
         return dict(self.policies) if isinstance(self.policies, Mapping) else None
 
     def __post_init__(self) -> None:
-        canonical(self.algorithm)  # unknown names fail now, not at the first call
+        name = canonical(self.algorithm)  # unknown names fail now, not at the first call
+        if self.bandwidth is not None:
+            if name not in OFFLOAD_ALGORITHMS:
+                raise ValueError(
+                    f"bandwidth is for algorithm='optimal_offload'; algorithm={self.algorithm!r} moves nothing to host memory"
+                )
+            Bandwidth.of(self.bandwidth)
+        if name in OFFLOAD_ALGORITHMS and self.bandwidth is None and jax.default_backend() == "cpu":
+            raise ValueError(
+                f"algorithm={self.algorithm!r} needs bandwidth= on the CPU: host and device memory are one here and "
+                "offloading moves nothing, so there is no link to measure; give bytes per second (one number, or "
+                "(to_host, to_device)) to plan as for an accelerator"
+            )
+        if self.calibrate and name in OFFLOAD_ALGORITHMS:
+            raise ValueError("calibrate=True measures memory on this machine; it does not plan offloading yet: "
+                             "calibrate a remat-only plan, or leave calibrate out")
         if self.method not in ("measure", "xla"):
             raise ValueError(f"method must be 'measure' or 'xla', got {self.method!r}")
         if isinstance(self.max_period, bool) or not isinstance(self.max_period, int) or self.max_period < 1:
@@ -121,6 +144,7 @@ class Plan:
             "budget": s.budget,
             "algorithm": s.algorithm,
             "ops": [[op.kind.value, *op[1:]] for op in s.ops],
+            "bandwidth": None if s.bandwidth is None else [s.bandwidth.to_host, s.bandwidth.to_device],
         }
 
     def save(self, path: str | Path) -> None:
@@ -141,7 +165,9 @@ def load_plan(path: str | Path) -> Plan:
             "make it again with jaxremat.plan(...).save(path)"
         )
     costs = ChainCosts.from_dict(d["costs"])
-    schedule = Schedule.from_ops(costs, [tuple(op) for op in d["ops"]], budget=d["budget"], algorithm=d["algorithm"])
+    schedule = Schedule.from_ops(
+        costs, [tuple(op) for op in d["ops"]], budget=d["budget"], algorithm=d["algorithm"], bandwidth=d.get("bandwidth")
+    )
     return Plan(schedule, d["signature"])
 
 
@@ -164,6 +190,9 @@ def make_plan(
     elif o.calibrate:
         measure = functools.partial(step_temp, chain, variables, sample, policies=o.named_policies)
         schedule = calibrated_solve(costs, budget, measure, algorithm=o.algorithm, slots=o.slots).schedule
+    elif canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
+        bandwidth = o.bandwidth if o.bandwidth is not None else link_bandwidth()
+        schedule = solve(costs, budget, algorithm=o.algorithm, slots=o.slots, bandwidth=bandwidth)
     else:
         schedule = solve(costs, budget, algorithm=o.algorithm, slots=o.slots)
     return Plan(schedule, signature(chain, variables, sample))

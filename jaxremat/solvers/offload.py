@@ -66,7 +66,8 @@ class Held:
 class _Problem:
     """The chain in slots and bytes, the persistent DP's table, and the offloadable buffers."""
 
-    def __init__(self, costs: ChainCosts, budget: int, slots: int, bandwidth: Bandwidth):
+    def __init__(self, costs: ChainCosts, budget: int, slots: int, bandwidth: Bandwidth, remat: bool = True):
+        self.remat = remat  # False: every stage stored whole, offloading only (no recomputation)
         self.c: SlotChain = discretise(costs, budget, slots)
         self.b: SlotChain = extend(costs)
         self.A, self.args = table(self.c)
@@ -132,7 +133,7 @@ def _steps(p: _Problem, s: int, h: int):
     held = p.held(s, h)
     tau = 0.0 if held is None else held.nbytes / p.bw.to_host
     extra = 0 if held is None else held.slots
-    for k in range(p.K):
+    for k in range(p.K if p.remat else 1):
         if not np.isfinite(b.bwd[k, s]):
             continue
         if tau > b.fwd[s]:
@@ -143,7 +144,7 @@ def _steps(p: _Problem, s: int, h: int):
             succ = (s + 1, 2 + k, 0) if o else (s + 1, 0, int(c.xbar[k, s]))
             yield ("store", k, o), float(b.fwd[s]), need, succ, (float(b.bwd[k, s]), back)
     start, need = 0.0, 0
-    for j in range(s + 1, p.L + 1):
+    for j in range(s + 1, p.L + 1 if p.remat else s + 1):
         q = j - 1
         own = int(c.x[s + 1] + c.fwd_tmp[s]) if q == s else int(c.x[q] + c.x[q + 1] + c.fwd_tmp[q])
         need = max(need, own + (extra if start < tau else 0), int(c.x[j]))
@@ -254,11 +255,14 @@ def rebuild(p: _Problem, W: list[np.ndarray]) -> list[Op]:
     return ops
 
 
-def offload_ops(costs: ChainCosts, budget: int, slots: int, bandwidth: Bandwidth) -> tuple[list[Op] | None, float]:
-    """The DP's op list and time for ``budget`` (``(None, inf)`` if nothing fits in slots)."""
+def offload_ops(
+    costs: ChainCosts, budget: int, slots: int, bandwidth: Bandwidth, *, remat: bool = True
+) -> tuple[list[Op] | None, float]:
+    """The DP's op list and time for ``budget`` (``(None, inf)`` if nothing fits in slots).
+    ``remat=False`` keeps to offloading alone: every stage stored whole, nothing recomputed."""
     if int(budget) <= int(costs.x[0]):
         return None, INF
-    p = _Problem(costs, budget, slots, bandwidth)
+    p = _Problem(costs, budget, slots, bandwidth, remat)
     W = fill(p)
     best = float(W[0][0, 0, p.S])
     if not np.isfinite(best):

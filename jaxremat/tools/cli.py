@@ -127,7 +127,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     costs, stages = profile_stages(chain, variables, x, method=args.method, quiet=args.quiet)
     budget = budget_bytes(costs, args.budget)
     print(report(stages), "\n")
-    schedule = solve(costs, budget, algorithm=args.algorithm)
+    schedule = solve(costs, budget, algorithm=args.algorithm, bandwidth=args.bandwidth)
     print(schedule.summary(), "\n")
     print(f"{'algorithm':<14} {'predicted peak':>15} {'time over store-all':>20}")
     for algorithm in ALGORITHMS:  # registered names only (aliases are not listed)
@@ -137,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         except InfeasibleBudget as e:
             print(f"{algorithm:<14} {'does not fit':>15} {'least ' + format_bytes(e.min_budget):>20}")
     if args.save:
-        plan(chain, variables, x, budget, algorithm=args.algorithm, costs=costs).save(args.save)
+        plan(chain, variables, x, budget, algorithm=args.algorithm, bandwidth=args.bandwidth, costs=costs).save(args.save)
         print(f"\nplan saved to {args.save}")
     if args.plot:
         from jaxremat.tools.plots import plot_front
@@ -188,7 +188,9 @@ def parser() -> argparse.ArgumentParser:
                        "memory and time against the other algorithms.")
     _model_args(p, None)
     p.add_argument("--budget", required=True, help="bytes, '512MiB', '2GB' or a share of the store-all peak ('40%%')")
-    p.add_argument("--algorithm", default="optimal", help="optimal (default), revolve, sqrt, every_stage, ...")
+    p.add_argument("--algorithm", default="optimal",
+                   help="optimal (default), revolve, sqrt, every_stage, ..., or optimal_offload (with --bandwidth)")
+    p.add_argument("--bandwidth", type=float, help="for optimal_offload: host link bytes per second, each way")
     p.add_argument("--plot", metavar="FILE.png", help="also write the predicted time-memory front")
     p.add_argument("--save", metavar="PLAN.json", help="save the plan for jaxremat.load_plan")
     p.set_defaults(run=cmd_plan)

@@ -1,0 +1,180 @@
+"""Remat alone, offload alone and both together, simulated on the built-in models for a GPU.
+
+Each model is profiled with the roofline method at an H100's vendor rates (the profiler's rate
+table: compute and HBM bandwidth), then for host links of 12, 25 and 50 GB/s each way every
+budget of a sweep is solved three ways: ``"optimal"`` (remat, store options, FB), offloading
+alone (every stage stored whole, bundles moved to host memory where the link hides it: the
+offload DP with recomputation switched off) and ``"optimal_offload"`` (both). Everything is the
+cost model's simulation (``jaxremat.simulate``): no GPU is used. Writes
+``benchmarks/results/offload.md`` and ``offload.png``.
+
+    python benchmarks/offload.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import jaxremat as jr
+from jaxremat.model.chain import Chain
+from jaxremat.profiling.rates import GPU_RATES
+from jaxremat.solvers.offload import offload_ops
+from jaxremat.tools import models as zoo
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BANDWIDTHS = (12e9, 25e9, 50e9)
+POINTS = 24
+MODELS = {
+    "resnet": ("ResNet-style CNN, 16 x 32x32x3", lambda: zoo.resnet(), (16, 32, 32, 3), "float32"),
+    "gpt": ("GPT-2-style decoder, 12 blocks, width 128, 4 x 128 tokens", lambda: zoo.gpt(), (4, 128), "int32"),
+    "autoencoder": ("Conv autoencoder, 8 x 64x64x3", lambda: zoo.autoencoder(), (8, 64, 64, 3), "float32"),
+    "mixer": ("MLP-Mixer, 8 blocks, width 128, 16 x 32x32x3", lambda: zoo.mixer(), (16, 32, 32, 3), "float32"),
+    "gpt-small": ("GPT-2-small-sized decoder, 12 blocks, width 768, 12 heads, vocab 8192, 8 x 512 tokens",
+                  lambda: zoo.gpt(blocks=12, width=768, heads=12, vocab=8192), (8, 512), "int32"),
+}
+
+
+def costs_of(name: str) -> jr.ChainCosts:
+    _, make, shape, dtype = MODELS[name]
+    chain = Chain.from_linen(make())
+    x = zoo.sample_input(shape, dtype, high=512)
+    v = chain.init(jax.random.key(0), x)
+    return jr.profile(chain, v, x, method="xla", rates=GPU_RATES["H100"], quiet=True)
+
+
+def fronts(costs: jr.ChainCosts, bandwidth: float) -> dict[str, list[tuple[int, float]]]:
+    """(peak bytes, overhead) per budget of a sweep, for each of the three ways."""
+    top = jr.store_all_peak(costs)
+    lo = jr.min_budget(costs, algorithm="optimal_offload", bandwidth=bandwidth)
+    out: dict[str, list[tuple[int, float]]] = {"remat": [], "offload": [], "both": []}
+    for b in sorted({int(v) for v in np.linspace(lo, top, POINTS)}):
+        try:
+            s = jr.solve(costs, b)
+            out["remat"].append((s.peak, s.overhead))
+        except jr.InfeasibleBudget:
+            pass
+        s = jr.solve(costs, b, algorithm="optimal_offload", bandwidth=bandwidth)
+        out["both"].append((s.peak, s.overhead))
+        ops, _ = offload_ops(costs, b, 500, jr.Bandwidth.of(bandwidth), remat=False)
+        if ops is not None:
+            s = jr.Schedule.from_ops(costs, ops, budget=b, algorithm="offload only", bandwidth=bandwidth)
+            out["offload"].append((s.peak, s.overhead))
+    out["both"] += out["remat"]  # every remat schedule is one of "both"'s: the front is over all of them
+    return out
+
+
+def reduction(front: list[tuple[int, float]], top: int, overhead: float) -> float | None:
+    """Store-all peak over the least peak within ``overhead`` (``None`` if none is)."""
+    peaks = [p for p, o in front if o <= overhead + 1e-9]
+    return top / min(peaks) if peaks else None
+
+
+def removed(costs: jr.ChainCosts, bandwidth: float) -> list[float]:
+    """At budgets 30%, 50% and 70% of the way from remat's least budget to store-all: the share
+    of remat's overhead that adding offload removes."""
+    lo, top = jr.min_budget(costs), jr.store_all_peak(costs)
+    shares = []
+    for f in (0.3, 0.5, 0.7):
+        b = int(lo + f * (top - lo))
+        r = jr.solve(costs, b).overhead
+        o = jr.solve(costs, b, algorithm="optimal_offload", bandwidth=bandwidth).overhead
+        shares.append((r - o) / (r - 1) if r > 1 + 1e-9 else float("nan"))
+    return shares
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    args = parser.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(args.models), figsize=(4.2 * len(args.models), 3.6), squeeze=False)
+    rows, mids = [], []
+    for ax, name in zip(axes[0], args.models):
+        costs = costs_of(name)
+        top = jr.store_all_peak(costs)
+        compute = float(costs.fwd.sum() + costs.bwd.sum())
+        acts = float(costs.xbar.sum())
+        forward = float(costs.fwd.sum())
+        for bw in BANDWIDTHS:
+            fr = fronts(costs, bw)
+            red = {k: (reduction(v, top, 1.10), reduction(v, top, 1.20)) for k, v in fr.items()}
+            rows.append((name, bw, red, compute, acts, min(1.0, bw * forward / acts)))
+            mids.append((name, bw, removed(costs, bw)))
+            print(name, f"{bw / 1e9:.0f} GB/s", red, mids[-1][2], flush=True)
+            style = {12e9: ":", 25e9: "-", 50e9: "--"}[bw]
+            for k, color in (("remat", "tab:blue"), ("offload", "tab:orange"), ("both", "tab:green")):
+                if fr[k] and (k != "remat" or bw == BANDWIDTHS[0]):
+                    p, o = zip(*sorted(fr[k]))
+                    ax.plot(np.array(p) / 2**20, o, style if k != "remat" else "-", color=color,
+                            label=f"{k}" + ("" if k == "remat" else f" {bw / 1e9:.0f} GB/s"))
+        ax.set_title(MODELS[name][0][:40], fontsize=8)
+        ax.set_xlabel("predicted peak (MiB)")
+        ax.set_ylabel("time over store-all")
+        ax.set_ylim(0.95, 2.0)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    fig.savefig(RESULTS / "offload.png", dpi=110)
+    fmt = lambda v: "—" if v is None else f"{v:.2f}x"  # noqa: E731
+    lines = [
+        "# Remat, offload, and both (simulated for an H100)",
+        "",
+        f"Computed {datetime.date.today().isoformat()}, jax {jax.__version__}: costs from the roofline method at "
+        f"H100 vendor rates ({GPU_RATES['H100'].flops / 1e12:.0f} TFLOP/s, {GPU_RATES['H100'].bandwidth / 1e12:.2f} TB/s), "
+        "schedules replayed by `jaxremat.simulate`; no GPU ran. Command: `python benchmarks/offload.py`",
+        "",
+        "Memory reduction: the store-all peak over the least predicted peak whose time is within 10% / 20% of "
+        "store-all. *offload alone* stores every stage whole and moves bundles to host memory where the link "
+        "hides them; *both* is `\"optimal_offload\"`. *link's reach*: the share of the store-all bundle bytes the "
+        "link can carry to the host during the whole forward pass (bandwidth × forward time / bundle bytes), an upper "
+        "bound on what any offload schedule hides.",
+        "",
+        "| model | link | compute per step (ms) | bundle bytes (MiB) | bytes per µs of compute | link's reach | "
+        "remat ≤10% | remat ≤20% | offload alone ≤10% | offload alone ≤20% | both ≤10% | both ≤20% |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, bw, red, compute, acts, reach in rows:
+        lines.append(
+            f"| {name} | {bw / 1e9:.0f} GB/s | {compute * 1e3:.3f} | {acts / 2**20:.1f} | {acts / (compute * 1e6):.0f} | "
+            f"{reach:.1%} | "
+            f"{fmt(red['remat'][0])} | {fmt(red['remat'][1])} | {fmt(red['offload'][0])} | {fmt(red['offload'][1])} | "
+            f"{fmt(red['both'][0])} | {fmt(red['both'][1])} |"
+        )
+    lines += [
+        "",
+        "Share of remat's overhead that offloading removes, at budgets 30% / 50% / 70% of the way from remat's "
+        "least budget to store-all (nan: remat has no overhead there):",
+        "",
+        "| model | link | 30% | 50% | 70% |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {n} | {bw / 1e9:.0f} GB/s | " + " | ".join(f"{v:.2f}" for v in s) + " |" for n, bw, s in mids]
+    lines += [
+        "",
+        "Where the models fall short of the paper's headline (4–6x at under 20% overhead, a third of remat's "
+        "overhead removed), and why: at an H100's vendor rates these models' compute is short against their "
+        "activation bytes (hundreds of kB per µs of compute, against 12–50 kB per µs for the links), so the link "
+        "can carry only the *reach* share of the kept bytes in the forward pass, and offloading removes almost "
+        "none of remat's overhead; remat alone (with store options and FB) reaches what it reaches. The paper's "
+        "setting had far more compute per byte (measured step times on 2021 GPUs, larger images). The simulation "
+        "is only as good as the roofline times: measured GPU step times are longer than the roofline's, which "
+        "gives the link more time (run `benchmarks/gpu_check.py` on a GPU for measured ones).",
+        "",
+        "![fronts](offload.png)",
+        "",
+    ]
+    (RESULTS / "offload.md").write_text("\n".join(lines) + "\n")
+    print((RESULTS / "offload.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
