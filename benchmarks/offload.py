@@ -8,7 +8,8 @@ offload DP with recomputation switched off) and ``"optimal_offload"`` (both). Ev
 cost model's simulation (``jaxremat.simulate``): no GPU is used. Writes
 ``benchmarks/results/offload.md`` and ``offload.png``.
 
-    python benchmarks/offload.py
+    python benchmarks/offload.py                    # H100 rates: offload.md, offload.png
+    python benchmarks/offload.py --device V100      # a GPU with more compute time per byte: offload_v100.md
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ MODELS = {
 }
 
 
-def costs_of(name: str) -> jr.ChainCosts:
+def costs_of(name: str, device: str = "H100") -> jr.ChainCosts:
     _, make, shape, dtype = MODELS[name]
     chain = Chain.from_linen(make())
     x = zoo.sample_input(shape, dtype, high=512)
     v = chain.init(jax.random.key(0), x)
-    return jr.profile(chain, v, x, method="xla", rates=GPU_RATES["H100"], quiet=True)
+    return jr.profile(chain, v, x, method="xla", rates=GPU_RATES[device], quiet=True)
 
 
 def fronts(costs: jr.ChainCosts, bandwidth: float) -> dict[str, list[tuple[int, float]]]:
@@ -90,7 +91,9 @@ def removed(costs: jr.ChainCosts, bandwidth: float) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--device", default="H100", choices=list(GPU_RATES), help="vendor rates (default H100)")
     args = parser.parse_args()
+    rates, stem = GPU_RATES[args.device], "offload" if args.device == "H100" else f"offload_{args.device.lower()}"
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,7 +102,7 @@ def main() -> None:
     fig, axes = plt.subplots(1, len(args.models), figsize=(4.2 * len(args.models), 3.6), squeeze=False)
     rows, mids = [], []
     for ax, name in zip(axes[0], args.models):
-        costs = costs_of(name)
+        costs = costs_of(name, args.device)
         top = jr.store_all_peak(costs)
         compute = float(costs.fwd.sum() + costs.bwd.sum())
         acts = float(costs.xbar.sum())
@@ -123,14 +126,15 @@ def main() -> None:
         ax.legend(fontsize=6)
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / "offload.png", dpi=110)
+    fig.savefig(RESULTS / f"{stem}.png", dpi=110)
     fmt = lambda v: "—" if v is None else f"{v:.2f}x"  # noqa: E731
     lines = [
-        "# Remat, offload, and both (simulated for an H100)",
+        f"# Remat, offload, and both (simulated for an {args.device})",
         "",
         f"Computed {datetime.date.today().isoformat()}, jax {jax.__version__}: costs from the roofline method at "
-        f"H100 vendor rates ({GPU_RATES['H100'].flops / 1e12:.0f} TFLOP/s, {GPU_RATES['H100'].bandwidth / 1e12:.2f} TB/s), "
-        "schedules replayed by `jaxremat.simulate`; no GPU ran. Command: `python benchmarks/offload.py`",
+        f"{args.device} vendor rates ({rates.flops / 1e12:.1f} TFLOP/s, {rates.bandwidth / 1e12:.2f} TB/s), "
+        "schedules replayed by `jaxremat.simulate`; no GPU ran. Command: `python benchmarks/offload.py"
+        + ("" if args.device == "H100" else f" --device {args.device}") + "`",
         "",
         "Memory reduction: the store-all peak over the least predicted peak whose time is within 10% / 20% of "
         "store-all. *offload alone* stores every stage whole and moves bundles to host memory where the link "
@@ -161,7 +165,7 @@ def main() -> None:
     lines += [
         "",
         "Where the models fall short of the paper's headline (4–6x at under 20% overhead, a third of remat's "
-        "overhead removed), and why: at an H100's vendor rates these models' compute is short against their "
+        f"overhead removed), and why: at {args.device} vendor rates these models' compute is short against their "
         "activation bytes (hundreds of kB per µs of compute, against 12–50 kB per µs for the links), so the link "
         "can carry only the *reach* share of the kept bytes in the forward pass, and offloading removes almost "
         "none of remat's overhead; remat alone (with store options and FB) reaches what it reaches. The paper's "
@@ -169,11 +173,11 @@ def main() -> None:
         "is only as good as the roofline times: measured GPU step times are longer than the roofline's, which "
         "gives the link more time (run `benchmarks/gpu_check.py` on a GPU for measured ones).",
         "",
-        "![fronts](offload.png)",
+        f"![fronts]({stem}.png)",
         "",
     ]
-    (RESULTS / "offload.md").write_text("\n".join(lines) + "\n")
-    print((RESULTS / "offload.md").read_text())
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print((RESULTS / f"{stem}.md").read_text())
 
 
 if __name__ == "__main__":

@@ -162,3 +162,19 @@ def test_remat_chain_plans_offload_and_says_what_the_cpu_cannot_measure(tmp_path
     loaded = jr.load_plan(tmp_path / "plan.json")
     assert loaded.schedule.ops == p.schedule.ops and loaded.schedule.bandwidth == p.schedule.bandwidth
     assert (loaded.schedule.time, loaded.schedule.host_peak) == (p.schedule.time, p.schedule.host_peak)
+
+
+def test_a_repeat_layer_with_offloads_runs_unrolled_and_says_so():
+    from jaxremat.tools.models import gpt, sample_input
+
+    m = gpt(blocks=4, width=32, heads=2, vocab=64, stacked=True)
+    x = sample_input((2, 16), "int32", high=64)
+    model = jr.remat_chain("40%", algorithm="optimal_offload", bandwidth=1e12, method="xla")(m)
+    v = model.init(jax.random.key(0), x)
+    sched = jr.plan(model, v, x).schedule
+    assert any(1 <= op.stage <= 4 for op in sched.offloads)  # something of the Repeat's copies moves
+    with pytest.warns(UserWarning, match="loops do not offload yet"):
+        grads = jr.jit(jax.grad(lambda v: jnp.mean(model.apply(v, x) ** 2)))(v)
+    ref = jax.grad(lambda v: jnp.mean(m.apply(v, x) ** 2))(v)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -24,12 +24,16 @@ from jaxremat.run._walk import Walker
 from jaxremat.run.loop_plan import Alike, plan_loops
 
 
-def _warn_copies(layer: int) -> None:
+def _warn_copies(layer: int, offloads: bool = False) -> None:
+    why = (
+        f"the schedule offloads buffers of Repeat layer {layer} and loops do not offload yet, so it runs unrolled"
+        if offloads else f"the schedule does not repeat one pattern over Repeat layer {layer}"
+    )
     warnings.warn(
-        f"jaxremat: the schedule does not repeat one pattern over Repeat layer {layer}, so its stacked "
-        "parameters are sliced, and XLA copies the slices and the gradient's pieces: up to about twice "
-        "the layer's parameter bytes more than the plan, and compile time grows with depth. Plans made "
-        "by jaxremat.plan / remat_chain repeat a pattern when one fits the budget.",
+        f"jaxremat: {why}: its stacked parameters are sliced, and XLA copies the slices and the gradient's "
+        "pieces: up to about twice the layer's parameter bytes more than the plan, and compile time grows "
+        "with depth." + ("" if offloads else " Plans made by jaxremat.plan / remat_chain repeat a pattern when one "
+                         "fits the budget."),
         stacklevel=4,
     )
 
@@ -74,8 +78,10 @@ def execute(
         shapes = chain.stage_shapes(variables)  # the loops depend on the variables' shapes
         alike = Alike(chain, shapes)
         loops = plan_loops(chain, shapes, spine, scan, alike, offloaded)
+        moved = {i for _, i in offloaded}
         for layer in loops.sliced_layers:
-            _warn_copies(layer)
+            g = next(g for g in chain.stacked if g.layer == layer)
+            _warn_copies(layer, offloads=bool(moved & set(range(g.start, g.start + g.length + 1))))
         updates: dict[int, Any] = {}
         walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, resolved, offloaded)
         return walker.run(tree, L, x, updates), updates
