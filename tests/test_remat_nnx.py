@@ -73,3 +73,24 @@ def test_trains_with_nnx_optimizer_like_the_plain_model():
 def test_not_a_sequence_is_a_clear_error():
     with pytest.raises(ValueError, match="nnx.Sequential or a non-empty list"):
         jr.remat_nnx("50%")(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+def test_offload_plans_train_an_nnx_model_with_the_plain_gradients():
+    x = jax.random.normal(jax.random.key(0), (32, 16))
+    plain = make()
+    wrapped = jr.remat_nnx("40%", method="xla", algorithm="optimal_offload", bandwidth=1e12)(make())
+    ref_loss, ref_g = nnx.jit(lambda m, x: nnx.value_and_grad(loss)(m, x))(plain, x)
+    graphdef, state = nnx.split(wrapped)
+
+    @jr.jit
+    def step(state, x):
+        m = nnx.merge(graphdef, state)
+        return nnx.value_and_grad(loss)(m, x)
+
+    got_loss, g = step(state, x)
+    np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(nnx.state(g, nnx.Param)), jax.tree.leaves(nnx.state(ref_g, nnx.Param))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert wrapped.plan(x).schedule.offloads
+    with pytest.raises(ValueError, match="needs bandwidth= on the CPU"):
+        jr.remat_nnx("40%", algorithm="optimal_offload")(make())
