@@ -11,7 +11,7 @@ stages) → ``profiling`` (what XLA keeps) → ``solvers`` → ``run`` (the exec
 (plans, ``remat_chain``, ``remat_nnx``) → ``tools`` (comparison, CLI, demo, example models).
 """
 
-from jaxremat.api import Plan, RematChain, RematSequential, load_plan, plan, remat_chain, remat_nnx
+from jaxremat.api import Plan, RematChain, RematFunction, RematSequential, load_plan, plan, remat, remat_chain, remat_nnx
 from jaxremat.core.budgets import Budget, parse_budget, store_all_peak
 from jaxremat.core.compile import compiler_options, jit
 from jaxremat.core.costs import ChainCosts, StageOption
@@ -39,6 +39,7 @@ __all__ = [
     "OpKind",
     "Plan",
     "RematChain",
+    "RematFunction",
     "RematSequential",
     "Replay",
     "Repeat",
@@ -56,6 +57,7 @@ __all__ = [
     "parse_bytes",
     "plan",
     "profile",
+    "remat",
     "remat_chain",
     "remat_nnx",
     "simulate",

@@ -5,5 +5,9 @@ from jaxremat.api.linen_model import RematChain, remat_chain
 from jaxremat.api.nnx_model import RematSequential, remat_nnx
 from jaxremat.api.planner import Planner, plan
 from jaxremat.api.plans import Plan, PlanOptions, load_plan
+from jaxremat.api.remat_fn import RematFunction, remat
 
-__all__ = ["Plan", "PlanOptions", "Planner", "RematChain", "RematSequential", "load_plan", "plan", "remat_chain", "remat_nnx"]
+__all__ = [
+    "Plan", "PlanOptions", "Planner", "RematChain", "RematFunction", "RematSequential", "load_plan", "plan", "remat",
+    "remat_chain", "remat_nnx",
+]

@@ -34,7 +34,7 @@ def closure_key(fn: Callable) -> str:
 def leaf_signature(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
     """Per array leaf of ``tree``: its path, shape and dtype."""
     return [
-        (jax.tree_util.keystr(path), tuple(int(d) for d in np.shape(leaf)), str(np.dtype(leaf.dtype)))
+        (jax.tree_util.keystr(path), tuple(int(d) for d in np.shape(leaf)), str(leaf.dtype))
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
     ]
 
