@@ -63,3 +63,22 @@ def test_user_mistakes_are_one_line_errors(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.startswith("jaxremat: error: ") and message in err, err
     assert err.count("\n") == 1
+
+
+def test_plan_takes_a_model_that_is_not_a_sequential(tmp_path, monkeypatch, capsys):
+    (tmp_path / "skipnet.py").write_text(
+        "import flax.linen as nn\n"
+        "class Net(nn.Module):\n"
+        "    @nn.compact\n"
+        "    def __call__(self, x):\n"
+        "        skip = x\n"
+        "        for _ in range(4):\n"
+        "            x = nn.gelu(nn.Dense(64)(x))\n"
+        "        return nn.Dense(8)(x + nn.Dense(64)(skip))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "--model", "skipnet:Net", "--input-shape", "32,64", "--method", "xla", "--quiet", "--budget", "50%"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "6 stages cut by Flax module scope" in out and "schedule (optimal)" in out
+    assert "0:Net/Dense_0" in out

@@ -18,7 +18,7 @@ def test_readme_training_example_runs():
     block = re.search(r"## Training under a budget\n\n```python\n(.*?)```", text, re.S).group(1)
     namespace: dict = {}
     exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
-    plan = namespace["model"].plan(namespace["params"], namespace["x"])
+    plan = namespace["loss_fn"].plan(namespace["params"], namespace["x"], namespace["y"])
     assert plan.predicted_peak <= plan.schedule.budget and any(d.recomputed for d in plan.schedule.decisions())
 
 

@@ -54,8 +54,8 @@ def load_model(spec: str) -> tuple[Any, tuple[int, ...] | None, str]:
             raise UsageError(f"{spec} must be a model or a function of no arguments returning one: {e}") from None
     if not _is_model(obj):
         raise UsageError(
-            f"{spec} gave a {type(obj).__name__}; expected an nn.Sequential, a list of linen modules or an "
-            "nnx.Sequential"
+            f"{spec} gave a {type(obj).__name__}; expected a linen module (any: a Sequential is planned layer by "
+            "layer, another is cut from its jaxpr as jaxremat.remat does), a list of linen modules or an nnx.Sequential"
         )
     return obj, None, "float32"
 
@@ -64,7 +64,7 @@ def _is_model(obj: Any) -> bool:
     import flax.linen as nn
     from flax import nnx
 
-    return isinstance(obj, (nn.Sequential, nnx.Sequential)) or (
+    return isinstance(obj, (nn.Module, nnx.Sequential)) or (
         isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(m, (nn.Module, nnx.Module)) for m in obj)
     )
 
@@ -101,6 +101,8 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     except TypeError:
         raise UsageError(f"unknown --dtype {dtype!r}; use e.g. float32, bfloat16 or int32") from None
     x = sample_input(shape, dtype)
+    if _is_linen_function_model(model):
+        return _jaxpr_chain(args, model, x, shape, dtype)
     nnx_model = isinstance(model, nnx.Sequential) or (isinstance(model, (list, tuple)) and isinstance(model[0], nnx.Module))
     chain = Chain.from_nnx(model) if nnx_model else Chain.from_linen(model)
     try:
@@ -110,6 +112,34 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
                          f"{str(e).splitlines()[0]}") from None
     chain.shapes(variables, x)  # names the stage that cannot take its input
     return model, chain, variables, x
+
+
+def _is_linen_function_model(model: Any) -> bool:
+    import flax.linen as nn
+
+    return isinstance(model, nn.Module) and not isinstance(model, nn.Sequential)
+
+
+def _jaxpr_chain(args: argparse.Namespace, model: Any, x: Any, shape: tuple, dtype: str) -> tuple[Any, Any, Any, Any]:
+    """A linen model that is not a Sequential, cut from its training loss's jaxpr (as ``jaxremat.remat``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxremat.model.jaxpr_chain import JaxprChain, find_cuts, trace
+
+    try:
+        variables = model.init(jax.random.key(0), x)
+    except Exception as e:  # noqa: BLE001 - the model cannot take this input
+        raise UsageError(f"{args.model} cannot take an input of shape {shape} ({dtype}): {type(e).__name__}: "
+                         f"{str(e).splitlines()[0]}") from None
+
+    def loss(v: Any, x: Any) -> Any:
+        return jnp.mean(jnp.square(model.apply(v, x)).astype(jnp.float32))
+
+    closed, _, _ = trace(loss, (variables, x))
+    traced = JaxprChain(closed, find_cuts(closed.jaxpr))
+    print(f"{args.model}: {traced.cuts.count} stages cut by {traced.cuts.how}")
+    return model, traced.chain, traced.variables(jax.tree.leaves((variables, x))), ()
 
 
 # -- commands --------------------------------------------------------------------------------------
