@@ -12,6 +12,7 @@ from jaxremat.api.plans import Plan, PlanOptions, make_plan, signature
 from jaxremat.core.budgets import Budget
 from jaxremat.core.costs import ChainCosts
 from jaxremat.model.chain import Chain
+from jaxremat.model.trees import is_sharded
 
 
 class Planner:
@@ -38,10 +39,25 @@ class Planner:
     def plan(self, chain: Chain, variables: Any, sample: Any) -> Plan:
         key = signature(chain, variables, sample)
         if key not in self.plans:
+            warn_if_global(variables, sample)
             with jax.ensure_compile_time_eval():  # may run while the caller's step is traced
                 p = make_plan(chain, variables, sample, self.budget, self.options, self.costs.get(key))
             self.costs[key], self.plans[key] = p.costs, p
         return self.plans[key]
+
+
+def warn_if_global(*trees: Any) -> None:
+    """Warn when a plan is made from traced values on a machine with several devices: inside
+    ``jit`` the arrays' shardings are not visible, so the plan is for global shapes."""
+    leaves = jax.tree.leaves(trees)
+    traced = any(type(leaf).__name__.endswith("Tracer") for leaf in leaves)
+    if traced and jax.device_count() > 1 and not is_sharded(trees):
+        warnings.warn(
+            "jaxremat: planning inside jit, where the arrays' shardings are not visible, so the plan is made for "
+            "global shapes, not per device; make it first from your sharded arrays, outside jit: "
+            "jaxremat.plan(model, params, x) (or fun.plan(*args) for jaxremat.remat)",
+            stacklevel=4,
+        )
 
 
 def plan_options(method: str | None = None, profile: str | None = None, **options: Any) -> PlanOptions:

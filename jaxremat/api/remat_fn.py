@@ -17,13 +17,14 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxremat.api.planner import plan_options
+from jaxremat.api.planner import plan_options, warn_if_global
 from jaxremat.api.plans import Plan, PlanOptions, make_plan
 from jaxremat.core.budgets import Budget
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.units import format_bytes
 from jaxremat.model.identity import leaf_signature
 from jaxremat.model.jaxpr_chain import MAX_STAGES, JaxprChain, find_cuts, trace
+from jaxremat.model.trees import abstract
 from jaxremat.profiling.profiler import profile
 from jaxremat.run.executor import execute
 
@@ -60,16 +61,18 @@ class RematFunction:
         key = json.dumps([leaf_signature(args), str(jax.tree.structure(args)), str(self.stages)])
         if key in self._prepared:
             return self._prepared[key]
+        warn_if_global(args)
         with jax.ensure_compile_time_eval():  # may run while the caller's step is traced
             closed, in_tree, out_tree = trace(self.fun, args)
-            flat = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in jax.tree.leaves(args)]
+            flat = [abstract(x) if hasattr(x, "dtype") else jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
+                    for x in jax.tree.leaves(args)]
             if not any(jax.numpy.issubdtype(s.dtype, jax.numpy.inexact) for s in flat):
                 raise TypeError(
                     "jaxremat.remat: the function has no input that can carry a gradient (no float arrays); "
                     "remat plans what a gradient keeps, so give it the parameters or data to differentiate"
                 )
             traced = JaxprChain(closed, find_cuts(closed.jaxpr, self.stages, self.max_stages))
-            variables = jax.eval_shape(traced.variables, flat)
+            variables = traced.variable_shapes(flat)
             costs = self._costs.get(key)
             if costs is None:
                 costs = profile(traced.chain, variables, (), method=self.options.method, policies=self.options.policies,

@@ -166,6 +166,7 @@ class ChainCosts:
     fb: np.ndarray | None = None
     fb_tmp: np.ndarray | None = None
     options: tuple[tuple[StageOption, ...], ...] | None = None
+    devices: int = 1  # > 1: the sizes are per device, of a program partitioned over that many
 
     def __post_init__(self) -> None:
         for name in FIELDS:
@@ -279,6 +280,8 @@ class ChainCosts:
         d.update({f: getattr(self, f).tolist() for f in V2_FIELDS})
         if self.options is not None:
             d["options"] = [[dataclasses.asdict(o) for o in per] for per in self.options]
+        if self.devices != 1:
+            d["devices"] = self.devices
         return d
 
     @classmethod
@@ -288,7 +291,7 @@ class ChainCosts:
             raise ValueError(f"ChainCosts.from_dict: missing field(s) {missing}")
         return cls(
             **{f: d[f] for f in FIELDS}, names=d.get("names"), **{f: d.get(f) for f in OPTIONAL_FIELDS + V2_FIELDS},
-            options=d.get("options"),
+            options=d.get("options"), devices=int(d.get("devices", 1)),
         )
 
     @classmethod

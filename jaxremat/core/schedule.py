@@ -129,9 +129,10 @@ class Schedule:
         """A readable report: budget, peak, time, and what happens to every stage."""
         c = self.costs
         budget = "none" if self.budget is None else format_bytes(self.budget)
+        where = f" per device (of {c.devices})" if c.devices > 1 else ""
         lines = [
             f"schedule ({self.algorithm}): {c.length} stages, {len(self.ops)} ops",
-            f"  budget {budget}, predicted peak {format_bytes(self.peak)}, "
+            f"  budget {budget}{where}, predicted peak {format_bytes(self.peak)}{where}, "
             f"time {self.time:.6g} ({self.overhead:.3f}x store-all)",
         ]
         if self.offloads:

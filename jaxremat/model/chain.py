@@ -14,7 +14,7 @@ from jaxremat.model.linen import label, linen_layers, linen_stage, repeat_stages
 from jaxremat.model.nnx import nnx_layers, nnx_stage
 from jaxremat.model.repeat import BODY, Repeat
 from jaxremat.model.stage import Rngs, Stage, Variables, any_rngs, stage_rngs
-from jaxremat.model.trees import check_leaves, describe
+from jaxremat.model.trees import abstract, check_leaves, describe, is_sharded, with_shardings
 
 
 @dataclass(frozen=True)
@@ -225,6 +225,17 @@ class Chain:
                 ) from None
             check_leaves(nxt, f"the output of stage {i} ({st.name})")
             out.append(nxt)
+        if is_sharded((variables, sample)):
+            return self._laid_out(out, variables, sample)
+        return out
+
+    def _laid_out(self, shapes: list[Any], variables: Any, sample: Any) -> list[Any]:
+        """``shapes`` with each activation laid out as XLA's partitioner lays it out: stage by
+        stage, from the input's and the variables' shardings (each stage's forward compiled)."""
+        out = [abstract(sample)]
+        for st, v, nxt in zip(self.stages, [abstract(v) for v in self.split(variables)], shapes[1:]):
+            compiled = jax.jit(lambda v, a, st=st: st.apply(v, a, any_rngs(st))[0]).lower(v, out[-1]).compile()
+            out.append(with_shardings(nxt, compiled.output_shardings))
         return out
 
 

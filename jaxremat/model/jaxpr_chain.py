@@ -336,6 +336,15 @@ class JaxprChain:
             for p in self.plans
         ]
 
+    def variable_shapes(self, flat: Sequence[Any]) -> list[dict]:
+        """:meth:`variables` as shapes, from ``fun``'s flat inputs as ShapeDtypeStructs (their
+        shardings kept for the parameters and inputs)."""
+        context = jax.eval_shape(lambda flat: [v["context"] for v in self.variables(flat)], list(flat))
+        return [
+            {"params": tuple(flat[j] for j in p.params), "inputs": tuple(flat[j] for j in p.inputs), "context": tuple(c)}
+            for p, c in zip(self.plans, context)
+        ]
+
     @property
     def context_bytes(self) -> int:
         """Bytes of the context values held for the whole step."""

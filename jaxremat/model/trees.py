@@ -8,14 +8,48 @@ import jax
 import numpy as np
 
 
+def sharding_of(leaf: Any) -> Any:
+    """``leaf``'s sharding when it spreads over more than one device (a ``jax.Array`` or a
+    ``ShapeDtypeStruct`` laid out on a mesh), else ``None`` (one device, or a traced value)."""
+    try:
+        s = getattr(leaf, "sharding", None)
+    except Exception:  # noqa: BLE001 - a tracer may refuse to say
+        return None
+    return s if s is not None and hasattr(s, "shard_shape") and getattr(s, "num_devices", 1) > 1 else None
+
+
+def is_sharded(tree: Any) -> bool:
+    """Whether any leaf of ``tree`` is laid out over several devices."""
+    return any(sharding_of(leaf) is not None for leaf in jax.tree.leaves(tree))
+
+
+def mesh_devices(tree: Any) -> int:
+    """The most devices any leaf of ``tree`` is laid out over (1 on one device)."""
+    return max([sharding_of(leaf).num_devices for leaf in jax.tree.leaves(tree) if sharding_of(leaf) is not None],
+               default=1)
+
+
 def abstract(tree: Any) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves for every array leaf of ``tree`` (no array operations)."""
-    return jax.tree.map(lambda t: jax.ShapeDtypeStruct(np.shape(t), t.dtype), tree)
+    """``jax.ShapeDtypeStruct`` leaves for every array leaf of ``tree`` (no array operations),
+    keeping a multi-device sharding."""
+    return jax.tree.map(lambda t: jax.ShapeDtypeStruct(np.shape(t), t.dtype, sharding=sharding_of(t)), tree)
+
+
+def with_shardings(tree: Any, shardings: Any) -> Any:
+    """``tree``'s ShapeDtypeStructs laid out as ``shardings`` (a matching tree of shardings)."""
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
 
 
 def tree_bytes(tree: Any) -> int:
-    """Bytes of every array leaf of ``tree`` (arrays or ShapeDtypeStructs)."""
-    return int(sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(tree)))
+    """Bytes of every array leaf of ``tree`` (arrays or ShapeDtypeStructs), per device for a
+    leaf laid out over several devices (one shard's bytes)."""
+
+    def one(s: Any) -> int:
+        sh = sharding_of(s)
+        shape = sh.shard_shape(tuple(s.shape)) if sh is not None else s.shape
+        return int(np.prod(shape)) * np.dtype(s.dtype).itemsize
+
+    return int(sum(one(s) for s in jax.tree.leaves(tree)))
 
 
 def describe(tree: Any) -> str:
@@ -33,4 +67,4 @@ def check_leaves(tree: Any, what: str) -> None:
             )
 
 
-__all__ = ["abstract", "check_leaves", "describe", "tree_bytes"]
+__all__ = ["abstract", "mesh_devices", "check_leaves", "describe", "is_sharded", "sharding_of", "tree_bytes", "with_shardings"]

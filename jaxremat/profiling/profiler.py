@@ -14,7 +14,7 @@ from jaxremat.core.policies import Policies, policies_of
 from jaxremat.core.units import format_bytes
 from jaxremat.model.chain import Chain
 from jaxremat.model.identity import closure_key, stage_identity
-from jaxremat.model.trees import tree_bytes
+from jaxremat.model.trees import is_sharded, mesh_devices, sharding_of, tree_bytes
 from jaxremat.profiling import cache as disk_cache
 from jaxremat.profiling.rates import Rates, device_rates
 from jaxremat.profiling.stage import StageProfile, profile_stage
@@ -86,6 +86,7 @@ def profile_stages(
                 "stage", PROFILE_VERSION, i == 0, scanned[i], stage_identity(st, v, shapes[i]), method,
                 None if rates is None else dataclasses.asdict(rates), repeats if method == "measure" else 0,
                 jax.default_backend(), jax.__version__, policy_keys,
+                [str(sharding_of(leaf)) for leaf in jax.tree.leaves((v, shapes[i]))] if is_sharded((v, shapes[i])) else None,
             )
             prof = seen.get(key)
             if prof is None and use_disk and st.key:
@@ -115,6 +116,7 @@ def profile_stages(
         x=[tree_bytes(s) for s in shapes],
         **{f: [getattr(p, g) for p in stages] for f, g in fields.items()},
         options=[useful_options(p) for p in stages] if measured else None,
+        devices=mesh_devices((variables, sample)),
     )
     return costs, stages
 

@@ -13,7 +13,7 @@ from jax.extend import core as jax_core
 
 from jaxremat.core.compile import REMAT_OPTIONS
 from jaxremat.model.stage import Stage
-from jaxremat.model.trees import abstract, tree_bytes
+from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
 from jaxremat.profiling.rates import Rates
 from jaxremat.profiling.timing import check_against_flops
 from jaxremat.profiling.xla_buffers import bytes_kept_across_barrier, transient_bytes
@@ -73,6 +73,12 @@ def _stage_fn(st: Stage):
         return st.apply({**rest, "params": params}, a, rngs)[0]
 
     return g
+
+
+def _placed(x: jax.Array, like: Any) -> jax.Array:
+    """``x`` laid out as ``like`` (a ShapeDtypeStruct), when that is over several devices."""
+    sh = sharding_of(like)
+    return x if sh is None else jax.device_put(x, sh)
 
 
 def _sum_leaves(tree: Any) -> jax.Array:
@@ -141,6 +147,9 @@ def _backward(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_s
         return jax.vjp(lambda p: g(p, x, r, k), p)[1]
 
     vjp_shape = jax.eval_shape(pullback, params, a_shape, rest, rng)
+    if is_sharded((params, a_shape)):  # on a mesh: the residuals as the forward lays them out
+        laid_out = jax.jit(pullback).lower(params, a_shape, rest, rng).compile().output_shardings
+        vjp_shape = with_shardings(vjp_shape, laid_out)
     bwd_c, bwd_tmp = transient_bytes(lambda f, c: f(c), vjp_shape, cot_shape)
     return int(xbar), bwd_c, int(bwd_tmp), pullback
 
@@ -170,9 +179,11 @@ def profile_stage(
     params, rest = _split_params(abstract(variables))  # shapes only: works under a trace
     rng = jax.random.key(0)
     out_shape = jax.eval_shape(g, params, a_shape, rest, rng)
-    cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), out_shape)
-    xbar, bwd_c, bwd_tmp, pullback = _backward(g, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
     fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(REMAT_OPTIONS)
+    if is_sharded((params, a_shape)):  # on a mesh: the output (and its cotangent) as XLA lays it out
+        out_shape = with_shardings(out_shape, fwd_c.output_shardings)
+    cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_of(s)), out_shape)
+    xbar, bwd_c, bwd_tmp, pullback = _backward(g, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
     fwd_tmp = int(fwd_c.memory_analysis().temp_size_in_bytes)
     # FB's bytes without the credit for an output written over a dying input: XLA does that in
     # some training steps (an MLP's gelu) but not in others (a residual block, 1.11x the plan)
@@ -204,9 +215,9 @@ def profile_stage(
         ft, bt, fbt = roof(ff, fbytes), roof(bf, bb), roof(fbf, fbb)
         opt_t = {name: roof(*c) for name, c in costs.items()}
     else:
-        concrete = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
+        concrete = lambda s: _placed(jnp.zeros(s.shape, s.dtype), s)  # noqa: E731
         a, p, r = jax.tree.map(concrete, (a_shape, params, rest))
-        cot = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), cot_shape)
+        cot = jax.tree.map(lambda s: _placed(jnp.ones(s.shape, s.dtype), s), cot_shape)
         programs = {"forward": (fwd_c, (p, a, r, rng)), "backward": _from_residuals(pullback, p, a, r, rng, cot),
                     "FB": (fb_c, (p, a, r, rng, cot))}
         flops = {"forward": ff, "backward": bf, "FB": fbf}
