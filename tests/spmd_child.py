@@ -21,10 +21,14 @@ from jaxremat.model.chain import Chain  # noqa: E402
 
 
 class Block(nn.Module):
+    """A transformer block: self-attention (4 heads) and a 4x MLP, each with a residual."""
+
     width: int
 
     @nn.compact
     def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=4, name="attn")(h, h)
         h = nn.gelu(nn.Dense(4 * self.width, name="up")(nn.LayerNorm()(x)))
         return x + nn.Dense(self.width, name="down")(h)
 
@@ -45,10 +49,15 @@ def no_resharding(got: dict[str, int], plain: dict[str, int]) -> bool:
 
 
 def place(variables, mesh: Mesh, tensor: bool):
-    """Parameters replicated (data parallel), or the MLP's kernels split over ``model``."""
+    """Parameters replicated (data parallel), or (tensor parallel, Megatron-style) the attention
+    heads and the MLP's hidden units split over ``model``."""
 
     def spec(path, leaf):
         keys = jax.tree_util.keystr(path)
+        if tensor and any(f"'{n}'" in keys for n in ("query", "key", "value")):
+            return NamedSharding(mesh, P(None, "model", None) if "kernel" in keys else P("model", None))
+        if tensor and "'out'" in keys and "kernel" in keys:
+            return NamedSharding(mesh, P("model", None, None))
         if tensor and "up" in keys and "kernel" in keys:
             return NamedSharding(mesh, P(None, "model"))
         if tensor and "up" in keys and "bias" in keys:
