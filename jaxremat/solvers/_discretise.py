@@ -149,6 +149,18 @@ def forward_times(fwd: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return prefix[hi] - prefix[lo]
 
 
+def bisect_least(lo: int, hi: int, feasible) -> int:
+    """The least budget in ``(lo, hi]`` that is ``feasible``, given ``lo`` infeasible, ``hi``
+    feasible, and feasibility growing with the budget."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def least_memory(c: SlotChain) -> int:
     """Least memory (in ``c``'s units, beyond ``a_0``) that any persistent schedule needs.
 

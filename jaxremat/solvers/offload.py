@@ -41,7 +41,7 @@ from jaxremat.core.costs import ChainCosts
 from jaxremat.core.ops import Op, OpKind
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.core.transfers import Bandwidth
-from jaxremat.solvers._discretise import SlotChain, discretise, extend
+from jaxremat.solvers._discretise import SlotChain, bisect_least, discretise, extend
 from jaxremat.solvers._dp_jax import table
 from jaxremat.solvers._rebuild import rebuild_ops
 from jaxremat.solvers.optimal import optimal_min_budget, solve_optimal
@@ -300,14 +300,7 @@ def offload_min_budget(costs: ChainCosts, slots: int, bandwidth: Bandwidth) -> i
     feasible = lambda budget: offload_ops(costs, budget, slots, bandwidth)[0] is not None  # noqa: E731
     if hi - 1 <= lo or not feasible(hi - 1):
         return hi
-    hi -= 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if feasible(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return bisect_least(lo, hi - 1, feasible)
 
 
 __all__ = ["offload_min_budget", "offload_ops", "solve_offload"]

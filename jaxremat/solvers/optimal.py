@@ -10,7 +10,7 @@ from jaxremat.core.costs import ChainCosts
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.core.ops import FORWARD_KINDS, Op, OpKind, store_all_ops
 from jaxremat.solvers import baselines
-from jaxremat.solvers._discretise import ABSENT, discretise, extend, least_memory
+from jaxremat.solvers._discretise import ABSENT, bisect_least, discretise, extend, least_memory
 from jaxremat.solvers._dp_jax import table
 from jaxremat.solvers._rebuild import rebuild_ops
 
@@ -52,13 +52,7 @@ def dp_min_budget(costs: ChainCosts, slots: int) -> int | None:
     while not feasible(hi):
         lo, hi = hi, hi + step
         step *= 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if feasible(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return bisect_least(lo, hi, feasible)
 
 
 def op_time(costs: ChainCosts, ops: list[Op]) -> float:
