@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-from jax import lax
 
 from jaxremat.model.stage import Rngs
 
@@ -69,9 +68,4 @@ def offloaded_stage(apply: Apply, *, bundle: bool, inputs: bool) -> Callable[[An
     return stage
 
 
-def offloaded_input(a: Any) -> Any:
-    """A region's saved input moved to host memory."""
-    return to_host(a)
-
-
-__all__ = ["offloaded_input", "offloaded_stage", "to_device", "to_host"]
+__all__ = ["offloaded_stage", "to_device", "to_host"]

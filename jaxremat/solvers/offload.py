@@ -121,10 +121,6 @@ def _shift(v: np.ndarray, by: int) -> np.ndarray:
     return out
 
 
-class _Choice(tuple):
-    """``(kind, arg, offload)``: ``("store", k, o)`` or ``("ck", j, o)``."""
-
-
 def _steps(p: _Problem, s: int, h: int):
     """Every step from ``s`` with held input ``h``, as ``(choice, forward time, forward need
     (slots), successor (stage, h', shift), backward (time over m_b, or a scalar))``; ``None``
