@@ -88,8 +88,7 @@ def main() -> None:
         "regions' barriers keep XLA from combining gradient all-reduces across them, and a recomputed "
         "tensor-parallel block repeats its forward all-reduce; no all-gather, reduce-scatter or all-to-all is "
         "added. On small models XLA can keep activations in the replicated parameter-gradient buffers not yet "
-        "written (outside `temp_size_in_bytes`), and temp falls below the plan. Tensor parallel at the larger "
-        "budgets is 1.10-1.12x the plan: the stored blocks keep more per device than their profiles say.",
+        "written (outside `temp_size_in_bytes`), and temp falls below the plan.",
     ]
     out = Path(__file__).resolve().parent / "results" / "spmd.md"
     out.write_text("\n".join(lines) + "\n")

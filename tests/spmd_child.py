@@ -12,12 +12,17 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
+from flax import nnx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxremat as jr  # noqa: E402
 from jaxremat.model.chain import Chain  # noqa: E402
+from jaxremat.profiling.xla_buffers import shape_bytes  # noqa: E402
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVE = re.compile(rf"=\s*(\(.*?\)|\S+)\s+({'|'.join(KINDS)})(-start)?\(")
 
 
 class Block(nn.Module):
@@ -33,18 +38,32 @@ class Block(nn.Module):
         return x + nn.Dense(self.width, name="down")(h)
 
 
-def collectives(compiled) -> dict[str, int]:
-    text = compiled.as_text()
-    return {k: len(re.findall(rf"\b{k}(-start)?\(", text)) for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")}
+def collectives(compiled) -> dict[str, dict[str, int]]:
+    """Per kind of collective in the compiled program: how many, and the bytes they carry."""
+    out = {k: {"count": 0, "bytes": 0} for k in KINDS}
+    for line in compiled.as_text().splitlines():
+        m = _COLLECTIVE.search(line)
+        if m:
+            out[m.group(2)]["count"] += 1
+            out[m.group(2)]["bytes"] += sum(shape_bytes(t) for t in re.findall(r"\w+\[[\d,]*\]", m.group(1)))
+    return out
 
 
-def no_resharding(got: dict[str, int], plain: dict[str, int]) -> bool:
-    """No collective the plain step lacks, and no more all-gathers, reduce-scatters or
-    all-to-alls than it has. All-reduces may be more: a recomputed tensor-parallel forward repeats
-    its all-reduce, and the regions' barriers keep XLA from combining gradient all-reduces across
-    them."""
-    return all(plain[k] > 0 or got[k] == 0 for k in got) and all(
-        got[k] <= plain[k] for k in ("all-gather", "reduce-scatter", "all-to-all")
+def recomputed_forwards(ops) -> int:
+    """How many stage forwards the schedule runs beyond the first pass (``FB`` runs one)."""
+    forwards = [op for op in ops if op.kind in ("Fall", "Fck", "Fn", "FB")]
+    return len(forwards) - len({op.stage for op in forwards})
+
+
+def same_collectives(got: dict, plain: dict, recomputed: int, forward_all_reduce: int) -> bool:
+    """The plain step's collectives, byte for byte, except that a recomputed forward may repeat
+    its own all-reduces (a tensor-parallel block's attention and MLP outputs): all-reduce bytes
+    between the plain step's and that plus ``recomputed`` forwards' worth. The number of
+    all-reduces may differ: the regions' barriers keep XLA from combining the gradients'
+    all-reduces across them into one."""
+    extra = got["all-reduce"]["bytes"] - plain["all-reduce"]["bytes"]
+    return 0 <= extra <= recomputed * forward_all_reduce and all(
+        got[k]["bytes"] == plain[k]["bytes"] for k in KINDS if k != "all-reduce"
     )
 
 
@@ -54,6 +73,11 @@ def place(variables, mesh: Mesh, tensor: bool):
 
     def spec(path, leaf):
         keys = jax.tree_util.keystr(path)
+        if "'body'" in keys:  # a jr.Repeat's stacked variables: the copies' axis first
+            return NamedSharding(mesh, P(None, *one(keys).spec))
+        return one(keys)
+
+    def one(keys):
         if tensor and any(f"'{n}'" in keys for n in ("query", "key", "value")):
             return NamedSharding(mesh, P(None, "model", None) if "kernel" in keys else P("model", None))
         if tensor and "'out'" in keys and "kernel" in keys:
@@ -69,6 +93,71 @@ def place(variables, mesh: Mesh, tensor: bool):
     return jax.tree_util.tree_map_with_path(lambda p, x: jax.device_put(x, spec(p, x)), variables)
 
 
+def error(got, ref) -> float:
+    return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
+
+
+def offloaded(net, v, x, ref) -> dict:
+    """A remat + offload plan under the mesh (a bandwidth so high that offloading is free)."""
+    model = jr.remat_chain("25%", method="xla", algorithm="optimal_offload", bandwidth=1e12)(net)
+    plan = jr.plan(model, v, x)
+    got = jr.jit(jax.value_and_grad(lambda v, x: jnp.mean(model.apply(v, x) ** 2)))(v, x)
+    return dict(err=error(got, ref), offloads=len(plan.schedule.offloads))
+
+
+def repeated(mesh: Mesh, tensor: bool, x) -> dict:
+    """The blocks as one ``jr.Repeat`` (a loop over stacked, sharded variables) at 50%."""
+    net = nn.Sequential([nn.Dense(64), jr.Repeat(Block(64), 6)])
+    v = place(net.init(jax.random.key(0), x), mesh, tensor)
+    loss = lambda apply: (lambda v, x: jnp.mean(apply(v, x) ** 2))  # noqa: E731
+    plain = jax.jit(jax.value_and_grad(loss(net.apply))).lower(v, x).compile(jr.compiler_options())
+    model = jr.remat_chain("50%", method="xla")(net)
+    plan = jr.plan(model, v, x, costs=jr.profile(Chain.from_linen(net), v, x, method="xla", cache=False, quiet=True))
+    compiled = jr.jit(jax.value_and_grad(loss(model.apply))).lower(v, x).compile()
+    return dict(err=error(compiled(v, x), plain(v, x)), predicted=plan.schedule.peak, devices=plan.costs.devices,
+                temp=int(compiled.memory_analysis().temp_size_in_bytes), loops=" while(" in compiled.as_text(),
+                recomputes=recomputed_forwards(plan.schedule.ops) > 0,
+                no_resharding=all(collectives(compiled)[k]["bytes"] == collectives(plain)[k]["bytes"]
+                                  for k in KINDS if k != "all-reduce"))
+
+
+def nnx_on(mesh: Mesh) -> dict:
+    """``remat_nnx`` planned from a sharded model and batch outside jit, then run under nnx.jit."""
+    rngs = nnx.Rngs(0)
+    widths = (64, 256, 64, 256, 64)
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nnx.Linear(a, b, rngs=rngs), nnx.gelu]
+    seq = nnx.Sequential(*layers[:-1])
+    nnx.update(seq, jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), nnx.state(seq)))
+    x = jax.device_put(jax.random.normal(jax.random.key(2), (256, 64)), NamedSharding(mesh, P("data")))
+    loss = lambda m, x: jnp.mean(m(x) ** 2)  # noqa: E731
+    ref = nnx.jit(nnx.value_and_grad(loss))(seq, x)
+    model = jr.remat_nnx("50%", method="xla")(seq)
+    plan = model.plan(x)
+    got = nnx.jit(nnx.value_and_grad(loss))(model, x)
+    return dict(err=error(got, ref), per_device=plan.costs.devices == 8 and "per device" in plan.report(),
+                recomputes=any(d.recomputed for d in plan.schedule.decisions()))
+
+
+def explicit(devices) -> dict:
+    """Planned inside jit, without a plan made first, under ``jax.set_mesh`` with ``Explicit``
+    axes: the tracers' types carry the shardings, so the plan is per device."""
+    mesh = Mesh(devices, ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    net = nn.Sequential([Block(64) for _ in range(6)])
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (64, 32, 64)), NamedSharding(mesh, P("data")))
+        v = jax.device_put(net.init(jax.random.key(0), x), NamedSharding(mesh, P()))
+        loss = lambda apply: (lambda v, x: jnp.mean(apply(v, x) ** 2))  # noqa: E731
+        ref = jax.jit(jax.value_and_grad(loss(net.apply)))(v, x)
+        model = jr.remat_chain("50%", method="xla")(net)
+        compiled = jr.jit(jax.value_and_grad(loss(model.apply))).lower(v, x).compile()
+        got = compiled(v, x)
+    (plan,) = model.planner.plans.values()
+    return dict(err=error(got, ref), devices=plan.costs.devices, predicted=plan.schedule.peak,
+                temp=int(compiled.memory_analysis().temp_size_in_bytes))
+
+
 def run(name: str, mesh: Mesh, tensor: bool) -> dict:
     net = nn.Sequential([Block(64) for _ in range(6)])
     x = jax.device_put(jax.random.normal(jax.random.key(1), (64, 32, 64)), NamedSharding(mesh, P("data")))
@@ -76,29 +165,34 @@ def run(name: str, mesh: Mesh, tensor: bool) -> dict:
     loss = lambda apply: (lambda v, x: jnp.mean(apply(v, x) ** 2))  # noqa: E731
     plain = jax.jit(jax.value_and_grad(loss(net.apply))).lower(v, x).compile(jr.compiler_options())
     ref = plain(v, x)
+    block = jax.jit(Block(64).apply).lower({"params": v["params"]["layers_0"]}, x).compile(jr.compiler_options())
+    forward_all_reduce = collectives(block)["all-reduce"]["bytes"]
     costs = jr.profile(Chain.from_linen(net), v, x, method="xla", cache=False, quiet=True)
+    shardings = jax.tree.map(lambda a: a.sharding, (v, x))
     rows = []
     for budget in ("30%", "50%", "75%"):
         model = jr.remat_chain(budget, method="xla")(net)
         plan = jr.plan(model, v, x, costs=costs)
-        step = jr.jit(jax.value_and_grad(loss(model.apply)))
+        step = jr.jit(jax.value_and_grad(loss(model.apply)), in_shardings=shardings,
+                      out_shardings=(NamedSharding(mesh, P()), shardings[0]))
         compiled = step.lower(v, x).compile()
         got = compiled(v, x)
-        err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
         rows.append(dict(budget=budget, predicted=plan.schedule.peak, temp=int(compiled.memory_analysis().temp_size_in_bytes),
-                         err=err, no_resharding=no_resharding(collectives(compiled), collectives(plain)),
-                         collectives=collectives(compiled), plain_collectives=collectives(plain),
-                         recomputes=any(d.recomputed for d in plan.schedule.decisions())))
+                         err=error(got, ref), collectives=collectives(compiled), plain_collectives=collectives(plain),
+                         same_collectives=same_collectives(collectives(compiled), collectives(plain),
+                                                           recomputed_forwards(plan.schedule.ops), forward_all_reduce),
+                         recomputes=recomputed_forwards(plan.schedule.ops) > 0))
     fn = jr.remat(loss(net.apply), "50%", method="xla")
     planned = fn.plan(v, x)  # from the sharded arrays, outside jit: per device
     got = jr.jit(jax.value_and_grad(fn))(v, x)
-    remat_fn = dict(err=max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))),
-                    per_device=planned.costs.devices == 8 and "per device" in planned.report())
+    remat_fn = dict(err=error(got, ref), per_device=planned.costs.devices == 8 and "per device" in planned.report())
     x_global = int(np.prod(x.shape)) * 4
     one = jr.profile(Chain.from_linen(net), jax.device_get(v), np.asarray(x), method="xla", cache=False, quiet=True)
     between = (jr.store_all_peak(costs) + jr.store_all_peak(one)) // 2  # above per-device store-all, below the global
     loose = jr.plan(jr.remat_chain(between, method="xla")(net), v, x, costs=costs)
-    return dict(name=name, rows=rows, remat_fn=remat_fn, x1=int(costs.x[1]), x_global=x_global, store_all=jr.store_all_peak(costs),
+    extra = dict(offload=offloaded(net, v, x, ref), nnx=nnx_on(mesh)) if not tensor else {}
+    extra["repeat"] = repeated(mesh, tensor, x)
+    return dict(name=name, rows=rows, remat_fn=remat_fn, **extra, x1=int(costs.x[1]), x_global=x_global, store_all=jr.store_all_peak(costs),
                 global_store_all=jr.store_all_peak(one),
                 between=between, between_recomputes=any(d.recomputed for d in loose.schedule.decisions()),
                 report="per device" in loose.report())
@@ -108,7 +202,8 @@ def main() -> None:
     devices = np.array(jax.devices())
     assert len(devices) == 8, devices
     out = [run("data parallel", Mesh(devices, ("data",)), False),
-           run("tensor parallel", Mesh(devices.reshape(2, 4), ("data", "model")), True)]
+           run("tensor parallel", Mesh(devices.reshape(2, 4), ("data", "model")), True),
+           dict(name="explicit", **explicit(devices))]
     print(json.dumps(out))
 
 

@@ -1,5 +1,6 @@
 """Plans under jax.sharding meshes (8 CPU devices, in a subprocess so the rest of the suite keeps
-one device): per-device sizes, exact gradients, the plain step's collectives."""
+one device): per-device sizes, exact gradients, the plain step's collectives, inside jax.jit with
+in_shardings and out_shardings, for remat_chain, remat_nnx, jaxremat.remat and offload plans."""
 
 from __future__ import annotations
 
@@ -21,21 +22,33 @@ def findings():
     return {r["name"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
 
 
-# per-device XLA temp over the plan: the target is 1.10; tensor parallel (attention heads and MLP
-# hidden units over 4 devices) measures 1.04 / 1.08 / 1.13 at 30 / 50 / 75% (2026-12-01): not met yet
-LIMIT = {"data parallel": 1.10, "tensor parallel": 1.15}
-
-
 @pytest.mark.parametrize("mesh", ["data parallel", "tensor parallel"])
 def test_per_device_plans_match_xla_and_plain_autodiff(findings, mesh):
     f = findings[mesh]
     assert f["x1"] < f["x_global"]  # activations counted per device
     for row in f["rows"]:
         assert row["err"] <= 1e-5, row
-        assert row["temp"] <= LIMIT[mesh] * row["predicted"], row
-        assert row["no_resharding"], row
+        assert row["temp"] <= 1.10 * row["predicted"], row
+        assert row["same_collectives"], row  # no resharding: the plain step's collectives, byte for byte
     assert any(row["recomputes"] for row in f["rows"])
+    r = f["repeat"]  # the same blocks as one jr.Repeat: loops over stacked, sharded variables
+    assert r["err"] <= 1e-5 and r["devices"] == 8 and r["recomputes"] and r["no_resharding"] and r["loops"], r
+    # tensor parallel inside a selective loop measures 1.11x (2026-12-01), data parallel 0.68x
+    assert r["temp"] <= (1.10 if mesh == "data parallel" else 1.15) * r["predicted"], r
     assert f["remat_fn"]["err"] <= 1e-5 and f["remat_fn"]["per_device"]  # jaxremat.remat plans per device too
+
+
+def test_data_parallel_plain_collectives_exactly_and_other_entry_points(findings):
+    f = findings["data parallel"]
+    for row in f["rows"]:  # nothing to recompute collectively: all-reduce bytes equal the plain step's
+        assert row["collectives"]["all-reduce"]["bytes"] == row["plain_collectives"]["all-reduce"]["bytes"], row
+    assert f["offload"]["offloads"] > 0 and f["offload"]["err"] <= 1e-5
+    assert f["nnx"]["per_device"] and f["nnx"]["recomputes"] and f["nnx"]["err"] <= 1e-5
+
+
+def test_planned_inside_jit_under_an_explicit_mesh_is_per_device(findings):
+    f = findings["explicit"]
+    assert f["devices"] == 8 and f["err"] <= 1e-5 and f["temp"] <= 1.10 * f["predicted"], f
 
 
 def test_a_budget_between_the_per_device_and_global_peaks_needs_no_remat(findings):

@@ -55,7 +55,8 @@ def warn_if_global(*trees: Any) -> None:
         warnings.warn(
             "jaxremat: planning inside jit, where the arrays' shardings are not visible, so the plan is made for "
             "global shapes, not per device; make it first from your sharded arrays, outside jit: "
-            "jaxremat.plan(model, params, x) (or fun.plan(*args) for jaxremat.remat)",
+            "jaxremat.plan(model, params, x) (or fun.plan(*args) for jaxremat.remat), or use a mesh with Explicit "
+            "axes (jax.set_mesh), whose shardings jit's traced values carry",
             stacklevel=4,
         )
 

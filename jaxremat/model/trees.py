@@ -8,13 +8,33 @@ import jax
 import numpy as np
 
 
+def _traced_sharding(leaf: Any) -> Any:
+    """A traced value's sharding, where its type carries one (a mesh with ``Explicit`` axes, set
+    with ``jax.set_mesh``), else ``None``. Inside jit only the abstract mesh is known: the
+    sharding is put on a mesh of the same axes over ``jax.devices()``, which partitions (and so
+    sizes) every program the same way, whichever device holds which shard."""
+    try:
+        s = getattr(jax.typeof(leaf), "sharding", None)
+    except Exception:  # noqa: BLE001 - no sharding in the type
+        return None
+    if not isinstance(s, jax.sharding.NamedSharding) or not isinstance(s.mesh, jax.sharding.AbstractMesh):
+        return s if isinstance(s, jax.sharding.NamedSharding) else None
+    if s.mesh.empty or s.mesh.size > jax.device_count():
+        return None
+    mesh = jax.make_mesh(s.mesh.axis_sizes, s.mesh.axis_names, axis_types=s.mesh.axis_types)
+    return jax.sharding.NamedSharding(mesh, s.spec)
+
+
 def sharding_of(leaf: Any) -> Any:
     """``leaf``'s sharding when it spreads over more than one device (a ``jax.Array`` or a
-    ``ShapeDtypeStruct`` laid out on a mesh), else ``None`` (one device, or a traced value)."""
+    ``ShapeDtypeStruct`` laid out on a mesh, or a traced value whose type says its sharding),
+    else ``None`` (one device, or a traced value under ``Auto`` mesh axes)."""
     try:
         s = getattr(leaf, "sharding", None)
     except Exception:  # noqa: BLE001 - a tracer may refuse to say
-        return None
+        s = None
+    if s is None and isinstance(leaf, jax.core.Tracer):  # its type may say
+        s = _traced_sharding(leaf)
     return s if s is not None and hasattr(s, "shard_shape") and getattr(s, "num_devices", 1) > 1 else None
 
 

@@ -124,13 +124,15 @@ def scan_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: 
 
     closed = jax.make_jaxpr(residuals)(params, a_shape, rest, rng)
     inputs = set(closed.jaxpr.invars)
-    seen: set = set()
-    total = 0
-    for v in closed.jaxpr.outvars:
-        if isinstance(v, jax_core.Var) and v not in inputs and v not in seen:
-            seen.add(v)
-            total += int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
-    return total
+    kept: dict = {}  # output position of each residual that is not an input, once per variable
+    for n, v in enumerate(closed.jaxpr.outvars):
+        if isinstance(v, jax_core.Var) and v not in inputs and v not in kept:
+            kept[v] = n
+    shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.outvars]
+    if is_sharded((params, a_shape)):  # on a mesh: per device, as the forward lays them out
+        laid_out = jax.jit(lambda *a: jax.tree.leaves(residuals(*a))).lower(params, a_shape, rest, rng).compile()
+        shapes = with_shardings(shapes, list(laid_out.output_shardings))
+    return tree_bytes([shapes[n] for n in kept.values()])
 
 
 def _backward(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_shape: Any, input_grad: bool, scanned: bool):

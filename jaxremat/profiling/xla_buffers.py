@@ -152,6 +152,21 @@ _OPERANDS = re.compile(r"\s[a-z][\w\-]*\((%[^)]*)\)")
 _SHAPE = re.compile(r"=\s*(\S+)\s")
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO array shape such as ``f32[64,128]{1,0}`` (0 when it is not one)."""
+    m = re.match(r"(\w+)\[([\d,]*)\]", shape)
+    if not m or m.group(1) not in _DTYPE_BYTES:
+        return 0
+    n = 1
+    for d in filter(None, m.group(2).split(",")):
+        n *= int(d)
+    return n * _DTYPE_BYTES[m.group(1)]
+
+
 class _Value(NamedTuple):
     operands: list[str]  # instruction names
     uses: list[str]  # instructions that use it
@@ -212,7 +227,12 @@ def live_across_barrier(folder: str, activations: Collection[int] = ()) -> int:
     inputs = {n for n in leaves if values[n].parameter in acts}
 
     def derived(name: str) -> bool:
-        """Computed from leaves alone and used only after the barrier."""
+        """Computed from leaves alone, no larger than they are, and used only after the barrier.
+
+        A broadcast of a parameter to an activation's shape (a LayerNorm scale under tensor
+        parallelism) is not such a copy: the whole step makes it once for the forward and keeps it
+        for the backward (measured: 4 MiB per transformer block, 30.15 MiB kept against 26.19
+        without it)."""
         v = values.get(name)
         return (
             v is not None
@@ -220,6 +240,7 @@ def live_across_barrier(folder: str, activations: Collection[int] = ()) -> int:
             and bool(v.operands)
             and all(o in leaves for o in v.operands)
             and all(position.get(u, -1) > last for u in v.uses)
+            and shape_bytes(v.shape) <= sum(shape_bytes(values[o].shape) for o in v.operands)
         )
 
     # an input the backward reads itself, not only through derived copies, stays live anyway

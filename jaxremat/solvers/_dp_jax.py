@@ -22,6 +22,7 @@ size bucket, so chains of similar depth reuse one compiled program.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import jax
@@ -213,9 +214,15 @@ def table(c: SlotChain, *, prune: bool = True) -> tuple[np.ndarray, dict[str, np
     args = prepare(c)
     arrays = [np.asarray(args[k]) for k in _ORDER]
     cpu = jax.devices("cpu")[0]
-    with jax.ensure_compile_time_eval():  # a solve may run while the caller's step is traced
-        A = _compiled(_shapes(arrays), prune)(*[jax.device_put(a, cpu) for a in arrays])
-    return np.asarray(A), args
+
+    def fill_now() -> np.ndarray:
+        return np.asarray(_compiled(_shapes(arrays), prune)(*[jax.device_put(a, cpu) for a in arrays]))
+
+    # A solve may run while the caller's step is traced, and under the caller's mesh
+    # (``jax.set_mesh``, which JAX forbids changing under a trace and which makes jit refuse a
+    # one-device program). Both are thread-local: the table is computed in a thread of its own.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fill_now).result(), args
 
 
 def program(c: SlotChain) -> "jax.stages.Compiled":
