@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from spmd_child import Block, collectives, place  # noqa: E402
+from spmd_child import KINDS, Block, collectives, place, recomputed_forwards  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 
@@ -54,12 +54,14 @@ def rows_for(name: str, mesh: Mesh, tensor: bool) -> list[str]:
         compiled = jr.jit(jax.value_and_grad(loss(model.apply))).lower(v, x).compile()
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
         predicted = predicted_flops(costs, plan.schedule.ops)
-        got = collectives(compiled)
+        got, base = collectives(compiled), collectives(plain)
         out.append(
             f"| {name} | {budget} | {jr.format_bytes(plan.schedule.peak)} | {jr.format_bytes(temp)} | "
             f"{temp / plan.schedule.peak:.2f} | {flops(compiled) / flops(plain):.3f} | {predicted / base_flops:.3f} | "
-            f"{got['all-reduce']} (plain {collectives(plain)['all-reduce']}) | "
-            f"{sum(got[k] for k in ('all-gather', 'reduce-scatter', 'all-to-all'))} |"
+            f"{got['all-reduce']['count']} (plain {base['all-reduce']['count']}) | "
+            f"{jr.format_bytes(got['all-reduce']['bytes'])} (plain {jr.format_bytes(base['all-reduce']['bytes'])}) | "
+            f"{recomputed_forwards(plan.schedule.ops)} | "
+            f"{sum(got[k]['bytes'] for k in KINDS if k != 'all-reduce')} |"
         )
         print(out[-1], flush=True)
     return out
@@ -76,18 +78,18 @@ def main() -> None:
         "device. Command: `python benchmarks/spmd.py`",
         "",
         "| mesh | budget | predicted peak | XLA temp | temp / predicted | compiled flops over plain | predicted flops over "
-        "store-all | all-reduces | all-gathers, reduce-scatters, all-to-alls |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "store-all | all-reduces | all-reduced bytes | recomputed forwards | bytes of other collectives |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += rows_for("data parallel (batch over 8)", Mesh(devices, ("data",)), False)
     lines += rows_for("tensor parallel (model 4, batch 2)", Mesh(devices.reshape(2, 4), ("data", "model")), True)
     lines += [
         "",
         "Each stage's programs are compiled with the shardings of its inputs, parameters and residuals (as the "
-        "forward lays them out), so sizes and flops are per device. More all-reduces than the plain step: the "
-        "regions' barriers keep XLA from combining gradient all-reduces across them, and a recomputed "
-        "tensor-parallel block repeats its forward all-reduce; no all-gather, reduce-scatter or all-to-all is "
-        "added. On small models XLA can keep activations in the replicated parameter-gradient buffers not yet "
+        "forward lays them out), so sizes and flops are per device. The all-reduced bytes are the plain step's, "
+        "plus, tensor parallel, what a recomputed block's forward all-reduces again; no other collective is added. "
+        "There are more all-reduces than in the plain step: the regions' barriers keep XLA from combining the "
+        "gradients' all-reduces across them into one. On small models XLA can keep activations in the replicated parameter-gradient buffers not yet "
         "written (outside `temp_size_in_bytes`), and temp falls below the plan.",
     ]
     out = Path(__file__).resolve().parent / "results" / "spmd.md"
