@@ -97,10 +97,10 @@ def error(got, ref) -> float:
     return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
 
 
-def offloaded(net, v, x, ref) -> dict:
+def offloaded(net, v, x, ref, costs) -> dict:
     """A remat + offload plan under the mesh (a bandwidth so high that offloading is free)."""
     model = jr.remat_chain("25%", method="xla", algorithm="optimal_offload", bandwidth=1e12)(net)
-    plan = jr.plan(model, v, x)
+    plan = jr.plan(model, v, x, costs=costs)
     got = jr.jit(jax.value_and_grad(lambda v, x: jnp.mean(model.apply(v, x) ** 2)))(v, x)
     return dict(err=error(got, ref), offloads=len(plan.schedule.offloads))
 
@@ -187,14 +187,19 @@ def run(name: str, mesh: Mesh, tensor: bool) -> dict:
     got = jr.jit(jax.value_and_grad(fn))(v, x)
     remat_fn = dict(err=error(got, ref), per_device=planned.costs.devices == 8 and "per device" in planned.report())
     x_global = int(np.prod(x.shape)) * 4
+    extra = {"repeat": repeated(mesh, tensor, x)}
+    if not tensor:  # data parallel only: what does not depend on the mesh's shape
+        extra.update(offload=offloaded(net, v, x, ref, costs), nnx=nnx_on(mesh), **between(net, v, x, costs))
+    return dict(name=name, rows=rows, remat_fn=remat_fn, x1=int(costs.x[1]), x_global=x_global, **extra)
+
+
+def between(net, v, x, costs) -> dict:
+    """A budget above the per-device store-all peak and below the global one."""
     one = jr.profile(Chain.from_linen(net), jax.device_get(v), np.asarray(x), method="xla", cache=False, quiet=True)
-    between = (jr.store_all_peak(costs) + jr.store_all_peak(one)) // 2  # above per-device store-all, below the global
-    loose = jr.plan(jr.remat_chain(between, method="xla")(net), v, x, costs=costs)
-    extra = dict(offload=offloaded(net, v, x, ref), nnx=nnx_on(mesh)) if not tensor else {}
-    extra["repeat"] = repeated(mesh, tensor, x)
-    return dict(name=name, rows=rows, remat_fn=remat_fn, **extra, x1=int(costs.x[1]), x_global=x_global, store_all=jr.store_all_peak(costs),
-                global_store_all=jr.store_all_peak(one),
-                between=between, between_recomputes=any(d.recomputed for d in loose.schedule.decisions()),
+    budget = (jr.store_all_peak(costs) + jr.store_all_peak(one)) // 2
+    loose = jr.plan(jr.remat_chain(budget, method="xla")(net), v, x, costs=costs)
+    return dict(store_all=jr.store_all_peak(costs), global_store_all=jr.store_all_peak(one), between=budget,
+                between_recomputes=any(d.recomputed for d in loose.schedule.decisions()),
                 report="per device" in loose.report())
 
 
