@@ -148,6 +148,12 @@ def parse(ops: Sequence[Op | tuple], L: int) -> Node:
     return tree
 
 
+def offloads_in(offloaded: frozenset[tuple[str, int]], start: int, stop: int) -> bool:
+    """Whether any buffer of ``offloaded`` belongs to stages ``start .. stop - 1`` (their inputs
+    ``("a", i)`` or bundles ``("abar", i)``; ``a_stop`` is the next stage's input)."""
+    return any(start <= i < stop for _, i in offloaded)
+
+
 def parse_offloads(ops: Sequence[Op | tuple], L: int) -> tuple[Node, frozenset[tuple[str, int]]]:
     """The tree of a schedule with transfer ops, and the buffers it offloads (``("a", i)``:
     the input of the top-level unit starting at ``i``; ``("abar", i)``: the bundle of the
@@ -232,7 +238,7 @@ def to_ops(node: Node, L: int) -> list[Op]:
 
 
 __all__ = [
-    "Leaf", "Node", "Region", "RegionUnit", "Store", "StoreUnit", "Unit", "build", "parse", "parse_offloads", "shape",
+    "Leaf", "Node", "Region", "RegionUnit", "Store", "StoreUnit", "Unit", "build", "offloads_in", "parse", "parse_offloads", "shape",
     "shift", "to_ops",
     "units",
 ]

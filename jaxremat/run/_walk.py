@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxremat.core.compile import warn_unless_planned
 from jaxremat.core.policies import Policy
-from jaxremat.core.tree import Node, StoreUnit, Unit, units
+from jaxremat.core.tree import Node, StoreUnit, Unit, offloads_in, units
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs, stage_rngs
 from jaxremat.run._offload import offloaded_stage
@@ -139,7 +139,7 @@ class Walker:
 
     def moves(self, run: tuple[Unit, ...]) -> bool:
         """Whether the schedule offloads anything of ``run``'s units (they then run one by one)."""
-        return any(key[1] in range(u.start, u.stop) for u in run for key in self.offloaded)
+        return any(offloads_in(self.offloaded, u.start, u.stop) for u in run)
 
     def apply_all(self, pattern: tuple[Unit, ...]):
         def apply(env: Env, a: Any, local: dict) -> Any:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from jaxremat.core.policies import Policy, resolve
 from jaxremat.core.schedule import Schedule
-from jaxremat.core.tree import parse_offloads, units
+from jaxremat.core.tree import offloads_in, parse_offloads, units
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs
 from jaxremat.run._variables import cut_variables
@@ -78,10 +78,9 @@ def execute(
         shapes = chain.stage_shapes(variables)  # the loops depend on the variables' shapes
         alike = Alike(chain, shapes)
         loops = plan_loops(chain, shapes, spine, scan, alike, offloaded)
-        moved = {i for _, i in offloaded}
         for layer in loops.sliced_layers:
             g = next(g for g in chain.stacked if g.layer == layer)
-            _warn_copies(layer, offloads=bool(moved & set(range(g.start, g.start + g.length + 1))))
+            _warn_copies(layer, offloads=offloads_in(offloaded, g.start, g.start + g.length))
         updates: dict[int, Any] = {}
         walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, resolved, offloaded)
         return walker.run(tree, L, x, updates), updates

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from jaxremat.core.loops import runs_selective
-from jaxremat.core.tree import RegionUnit, StoreUnit, Unit, shape
+from jaxremat.core.tree import RegionUnit, StoreUnit, Unit, offloads_in, shape
 from jaxremat.model.chain import Chain
 from jaxremat.model.identity import stage_identity
 
@@ -137,10 +137,9 @@ def plan_loops(
     alike = alike or Alike(chain, shapes)
     loops: dict[int, Loop] = {}
     sliced: list[int] = []
-    moved = {i for _, i in offloaded}
     if scan is not False:
         for g in chain.stacked:
-            if moved & set(range(g.start, g.start + g.length + 1)):
+            if offloads_in(offloaded, g.start, g.start + g.length):
                 sliced.append(g.layer)
                 continue
             flags = selective_flags(units, g.start, g.start + g.length)
@@ -173,7 +172,7 @@ def plan_loops(
             for a, b in alike.runs(seg.units):
                 first, last = seg.units[a], seg.units[b - 1]
                 found = chain.group_of(first.start)
-                offloads = moved & set(range(first.start, last.stop + 1))
+                offloads = offloads_in(offloaded, first.start, last.stop)
                 if b - a >= 2 and found is not None and last.stop <= found[0].start + found[0].length and not offloads:
                     runs[first.start] = StackedRun(first.start, b - a, first.stop - first.start)
     return LoopPlan(tuple(segments), loops, runs, tuple(sliced))
