@@ -39,12 +39,13 @@ class LoopGroup(NamedTuple):
 
 
 class Part(NamedTuple):
-    """One unit of a loop's pattern: ``"store"`` (one stage stored, ``size == 1``), ``"region"``
-    (``size`` stages in a region, stored inside) or ``"nested"`` (``size`` stages in a region,
-    each checkpointed again inside)."""
+    """One unit of a loop's pattern: ``"store"`` (one stage stored, ``size == 1``, under store
+    option ``option``), ``"region"`` (``size`` stages in a region, stored inside) or ``"nested"``
+    (``size`` stages in a region, each checkpointed again inside)."""
 
     kind: str
     size: int
+    option: int = 0
 
 
 STORE, REGION = Part("store", 1), Part("region", 1)
@@ -72,6 +73,7 @@ def period(pattern: Sequence[Part]) -> int:
 
 def is_selective(pattern: Sequence[Part], n: int) -> bool:
     """Whether a group of ``n`` stages repeating ``pattern`` runs as a selective loop."""
+    pattern = as_pattern(pattern)
     if not all(part in (STORE, REGION) for part in pattern) or n % len(pattern):
         return False
     return runs_selective([part == STORE for part in pattern] * (n // len(pattern)))

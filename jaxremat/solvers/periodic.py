@@ -8,8 +8,8 @@ stack at other boundaries makes XLA copy the slices and the gradient's pieces, a
 parameter bytes that no plan counts (measured: 1x-2x the parameters of a 48-block model).
 
 :func:`solve_periodic` searches those schedules: every pattern of up to ``max_period`` stages
-made of stored stages and regions (keeping their stages' residuals inside, or checkpointing each
-of them again), the other stages all stored or all checkpointed alone, each candidate replayed by
+made of stored stages (under each store option) and regions (keeping their stages' residuals
+inside, or checkpointing each of them again), the other stages all stored or all checkpointed alone, each candidate replayed by
 the simulator, the fastest within the budget kept. Patterns are few (dozens for ``max_period=4``), so this takes milliseconds.
 
 A *selective* schedule is not periodic but runs as one loop too: each copy stored or checkpointed
@@ -48,17 +48,26 @@ def _compositions(p: int) -> Iterator[tuple[int, ...]]:
         yield (*sizes, run)
 
 
-def patterns(p: int) -> Iterator[tuple[Part, ...]]:
-    """Every pattern of ``p`` stages."""
+def patterns(p: int, options: int = 1) -> Iterator[tuple[Part, ...]]:
+    """Every pattern of ``p`` stages; a stage stored alone under each of ``options`` store options."""
+    stores = tuple(Part("store", 1, k) for k in range(options))
     for sizes in _compositions(p):
-        options = [(STORE, REGION) if k == 1 else (Part("region", k), Part("nested", k)) for k in sizes]
-        yield from itertools.product(*options)
+        parts = [(*stores, REGION) if k == 1 else (Part("region", k), Part("nested", k)) for k in sizes]
+        yield from itertools.product(*parts)
+
+
+def _group_patterns(costs: ChainCosts, start: int, n: int, max_period: int) -> list[tuple[Part, ...]]:
+    """The patterns tried over group ``(start, n)``: periods dividing ``n`` up to ``max_period``;
+    a pattern of one stage also stores it under every store option the group's copies share (the
+    executor runs longer patterns under a checkpoint that would save a stored stage whole)."""
+    k = 1 + min(len(costs.options[i]) for i in range(start, start + n)) if costs.options is not None else 1
+    return [pat for p in range(1, min(max_period, n) + 1) if n % p == 0 for pat in patterns(p, k if p == 1 else 1)]
 
 
 def _unit(part: Part, s: int) -> Unit:
     k = part.size
     if part.kind == "store":
-        return StoreUnit(s)
+        return StoreUnit(s, part.option)
     # a region's last stage, and each stage checkpointed alone, runs fused with its backward (FB)
     inner: list[Unit] = [
         StoreUnit(j) if part.kind == "region" else RegionUnit(j, j + 1, Leaf(j, fused=True)) for j in range(s, s + k - 1)
@@ -140,9 +149,7 @@ def solve_periodic(
         return None
     sizes = dict(groups)
     choice = {s: (STORE,) for s, _ in groups}
-    options = {
-        s: [pat for p in range(1, min(max_period, n) + 1) if n % p == 0 for pat in patterns(p)] for s, n in groups
-    }
+    options = {s: _group_patterns(costs, s, n, max_period) for s, n in groups}
     fits: list[tuple[float, int, float, tuple, dict, ChainCosts]] = []
     best: tuple | None = None
 
@@ -194,11 +201,9 @@ def periodic_schedules(
     L = costs.length
     _check_groups(L, groups)
     options = []
-    for _, n in groups:
+    for s, n in groups:
         stored = sorted({int(round(q)) for q in np.linspace(1, n - 1, min(selective_steps, n - 1))}) if n > 1 else []
-        options.append(
-            [pat for p in range(1, min(max_period, n) + 1) if n % p == 0 for pat in patterns(p)] + [selective(k, n) for k in stored]
-        )
+        options.append(_group_patterns(costs, s, n, max_period) + [selective(k, n) for k in stored])
     count = 2 * int(np.prod([len(o) for o in options]))
     if count > limit:
         raise ValueError(f"{count} periodic schedules for these groups, more than the limit of {limit}; lower max_period")
