@@ -89,8 +89,8 @@ def main() -> None:
         "forward lays them out), so sizes and flops are per device. The all-reduced bytes are the plain step's, "
         "plus, tensor parallel, what a recomputed block's forward all-reduces again; no other collective is added. "
         "There are more all-reduces than in the plain step: the regions' barriers keep XLA from combining the "
-        "gradients' all-reduces across them into one. On small models XLA can keep activations in the replicated parameter-gradient buffers not yet "
-        "written (outside `temp_size_in_bytes`), and temp falls below the plan.",
+        "gradients' all-reduces across them into one. On small models XLA can keep activations in the replicated "
+        "parameter-gradient buffers not yet written (outside `temp_size_in_bytes`), and temp falls below the plan.",
     ]
     out = Path(__file__).resolve().parent / "results" / "spmd.md"
     out.write_text("\n".join(lines) + "\n")

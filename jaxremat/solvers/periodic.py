@@ -9,8 +9,9 @@ parameter bytes that no plan counts (measured: 1x-2x the parameters of a 48-bloc
 
 :func:`solve_periodic` searches those schedules: every pattern of up to ``max_period`` stages
 made of stored stages (under each store option) and regions (keeping their stages' residuals
-inside, or checkpointing each of them again), the other stages all stored or all checkpointed alone, each candidate replayed by
-the simulator, the fastest within the budget kept. Patterns are few (dozens for ``max_period=4``), so this takes milliseconds.
+inside, or checkpointing each of them again), the other stages all stored or all checkpointed
+alone, each candidate replayed by the simulator, the fastest within the budget kept. Patterns are
+few (dozens for ``max_period=4``), so this takes milliseconds.
 
 A *selective* schedule is not periodic but runs as one loop too: each copy stored or checkpointed
 alone, in any order (:func:`jaxremat.run.selective.selective_scan`, one block body to compile,
