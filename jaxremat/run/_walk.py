@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxremat.core.compile import warn_unless_planned
 from jaxremat.core.policies import Policy
-from jaxremat.core.tree import Node, StoreUnit, Unit, offloads_in, units
+from jaxremat.core.tree import Node, RegionUnit, StoreUnit, Unit, offloads_in, units
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs, stage_rngs
 from jaxremat.run._offload import offloaded_stage
@@ -78,7 +78,8 @@ class Walker:
 
         warn_unless_planned(stacklevel=6)
         offload = env is None and ("a", unit.start) in self.offloaded
-        a, local = tied_checkpoint(body, offload=offload)(owned, owned_keys, a)
+        inner = {j for u in units(unit.inner)[0] if isinstance(u, RegionUnit) for j in range(u.start, u.stop)}
+        a, local = tied_checkpoint(body, offload=offload, inner=inner)(owned, owned_keys, a)
         updates.update(local)
         return a
 
