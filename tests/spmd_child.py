@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+from typing import Any
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
@@ -26,15 +27,19 @@ _COLLECTIVE = re.compile(rf"=\s*(\(.*?\)|\S+)\s+({'|'.join(KINDS)})(-start)?\(")
 
 
 class Block(nn.Module):
-    """A transformer block: self-attention (4 heads) and a 4x MLP, each with a residual."""
+    """A transformer block: self-attention (4 heads) and a 4x MLP, each with a residual;
+    ``hidden``, a sharding the MLP's hidden units are constrained to inside the block."""
 
     width: int
+    hidden: Any = None
 
     @nn.compact
     def __call__(self, x):
         h = nn.LayerNorm()(x)
         x = x + nn.MultiHeadDotProductAttention(num_heads=4, name="attn")(h, h)
         h = nn.gelu(nn.Dense(4 * self.width, name="up")(nn.LayerNorm()(x)))
+        if self.hidden is not None:
+            h = jax.lax.with_sharding_constraint(h, self.hidden)
         return x + nn.Dense(self.width, name="down")(h)
 
 
@@ -159,13 +164,15 @@ def explicit(devices) -> dict:
 
 
 def run(name: str, mesh: Mesh, tensor: bool) -> dict:
-    net = nn.Sequential([Block(64) for _ in range(6)])
+    # tensor parallel: a sharding constraint inside each block, profiled as part of the stage
+    hidden = NamedSharding(mesh, P("data", None, "model")) if tensor else None
+    net = nn.Sequential([Block(64, hidden) for _ in range(6)])
     x = jax.device_put(jax.random.normal(jax.random.key(1), (64, 32, 64)), NamedSharding(mesh, P("data")))
     v = place(net.init(jax.random.key(0), x), mesh, tensor)
     loss = lambda apply: (lambda v, x: jnp.mean(apply(v, x) ** 2))  # noqa: E731
     plain = jax.jit(jax.value_and_grad(loss(net.apply))).lower(v, x).compile(jr.compiler_options())
     ref = plain(v, x)
-    block = jax.jit(Block(64).apply).lower({"params": v["params"]["layers_0"]}, x).compile(jr.compiler_options())
+    block = jax.jit(Block(64, hidden).apply).lower({"params": v["params"]["layers_0"]}, x).compile(jr.compiler_options())
     forward_all_reduce = collectives(block)["all-reduce"]["bytes"]
     costs = jr.profile(Chain.from_linen(net), v, x, method="xla", cache=False, quiet=True)
     shardings = jax.tree.map(lambda a: a.sharding, (v, x))
