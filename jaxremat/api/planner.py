@@ -12,7 +12,7 @@ from jaxremat.api.plans import Plan, PlanOptions, make_plan, signature
 from jaxremat.core.budgets import Budget
 from jaxremat.core.costs import ChainCosts
 from jaxremat.model.chain import Chain
-from jaxremat.model.trees import is_sharded
+from jaxremat.model.trees import is_sharded, is_traced
 
 
 class Planner:
@@ -50,7 +50,7 @@ def warn_if_global(*trees: Any) -> None:
     """Warn when a plan is made from traced values on a machine with several devices: inside
     ``jit`` the arrays' shardings are not visible, so the plan is for global shapes."""
     leaves = jax.tree.leaves(trees)
-    traced = any(type(leaf).__name__.endswith("Tracer") for leaf in leaves)
+    traced = any(is_traced(leaf) for leaf in leaves)
     if traced and jax.device_count() > 1 and not is_sharded(trees):
         warnings.warn(
             "jaxremat: planning inside jit, where the arrays' shardings are not visible, so the plan is made for "

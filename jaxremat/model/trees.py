@@ -8,6 +8,12 @@ import jax
 import numpy as np
 
 
+def is_traced(leaf: Any) -> bool:
+    """Whether ``leaf`` is a value being traced (inside ``jit``, ``grad``, ...), by its type's
+    name: ``jax.core`` is not a stable place to import ``Tracer`` from."""
+    return type(leaf).__name__.endswith("Tracer")
+
+
 def _traced_sharding(leaf: Any) -> Any:
     """A traced value's sharding, where its type carries one (a mesh with ``Explicit`` axes, set
     with ``jax.set_mesh``), else ``None``. Inside jit only the abstract mesh is known: the
@@ -33,7 +39,7 @@ def sharding_of(leaf: Any) -> Any:
         s = getattr(leaf, "sharding", None)
     except Exception:  # noqa: BLE001 - a tracer may refuse to say
         s = None
-    if s is None and isinstance(leaf, jax.core.Tracer):  # its type may say
+    if s is None and is_traced(leaf):  # its type may say
         s = _traced_sharding(leaf)
     return s if s is not None and hasattr(s, "shard_shape") and getattr(s, "num_devices", 1) > 1 else None
 
@@ -87,4 +93,4 @@ def check_leaves(tree: Any, what: str) -> None:
             )
 
 
-__all__ = ["abstract", "mesh_devices", "check_leaves", "describe", "is_sharded", "sharding_of", "tree_bytes", "with_shardings"]
+__all__ = ["abstract", "mesh_devices", "check_leaves", "describe", "is_sharded", "is_traced", "sharding_of", "tree_bytes", "with_shardings"]
