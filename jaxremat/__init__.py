@@ -14,7 +14,7 @@ stages) → ``profiling`` (what XLA keeps) → ``solvers`` → ``run`` (the exec
 from jaxremat.api import Plan, RematChain, RematFunction, RematSequential, load_plan, plan, remat, remat_chain, remat_nnx
 from jaxremat.core.budgets import Budget, parse_budget, store_all_peak
 from jaxremat.core.compile import compiler_options, jit
-from jaxremat.core.costs import ChainCosts, StageOption
+from jaxremat.core.costs import ChainCosts, Shared, StageOption
 from jaxremat.core.ops import Op, OpKind
 from jaxremat.core.schedule import InfeasibleBudget, Schedule, StageDecision
 from jaxremat.core.simulator import Replay, simulate
@@ -44,6 +44,7 @@ __all__ = [
     "Replay",
     "Repeat",
     "Schedule",
+    "Shared",
     "StageDecision",
     "StageOption",
     "compiler_options",

@@ -1,6 +1,9 @@
+import dataclasses
+
 import pytest
 
 import jaxremat as jr
+from jaxremat.core.simulator import Machine
 from jaxremat.solvers import baselines
 
 
@@ -70,3 +73,36 @@ def test_schedule_summary_reads_well():
     assert "input checkpointed (Fck), recomputed 1x" in text
     assert [d.recomputed for d in s.decisions()] == [1, 1, 1]
     assert s.overhead == pytest.approx((12 + 15) / 21)
+
+
+def test_shared_values_count_once_and_held_bytes_until_their_backward():
+    """A value in a_1 .. a_3 is one buffer: checkpoints holding it count it once; bytes held until
+    a stage's backward count from the start and go when that backward runs."""
+    costs = jr.ChainCosts(
+        x=[0, 100, 100, 100, 10], xbar=[100, 100, 100, 10], fwd=[1] * 4, bwd=[1] * 4,
+        fwd_tmp=[0] * 4, bwd_tmp=[0] * 4, fb_tmp=[0] * 4, shared=[jr.Shared(1, 3, 60)],
+    )
+    ops = [("Fck", 0), ("Fck", 1), ("Fck", 2), ("Fall", 3), ("Loss", 4), ("B", 3), ("FB", 2), ("FB", 1), ("FB", 0)]
+
+    def steps(c):
+        m = Machine(c)
+        return [m.step(op, n) for n, op in enumerate(ops)]
+
+    # a_1 = 40 own + the 60 shared; a_2 and a_3 add their own 40 each; B 3 adds delta_3 (100)
+    assert steps(costs)[:6] == [100, 140, 180, 190, 200, 300]
+    assert steps(costs.without_shared())[:6] == [100, 200, 300, 310, 320, 420]
+    assert jr.simulate(costs, ops).peak < jr.simulate(costs.without_shared(), ops).peak
+    late = steps(dataclasses.replace(costs, held=[0, 0, 0, 7]))
+    assert late[:6] == [107, 147, 187, 197, 207, 300]  # until B 3, which makes them delta_3
+    early = steps(dataclasses.replace(costs, held=[50, 0, 0, 0]))
+    assert [e - p for e, p in zip(early, steps(costs))] == [50] * 8 + [0]  # until B 0
+    with pytest.raises(ValueError, match="more than x"):
+        jr.ChainCosts(x=[0, 10, 10, 10], xbar=[10] * 3, fwd=[1] * 3, bwd=[1] * 3, fwd_tmp=[0] * 3, bwd_tmp=[0] * 3,
+                      shared=[jr.Shared(1, 3, 60)])
+    with pytest.raises(ValueError, match="spans a_0 .. a_2"):
+        jr.ChainCosts(x=[100] * 4, xbar=[100] * 3, fwd=[1] * 3, bwd=[1] * 3, fwd_tmp=[0] * 3, bwd_tmp=[0] * 3,
+                      shared=[jr.Shared(0, 2, 6)])
+    with pytest.raises(ValueError, match="not modelled"):
+        jr.simulate(costs, [("Fck", 0), ("Offload", 1, "a")] + ops[1:], bandwidth=1.0)
+    held = dataclasses.replace(costs, held=[1, 2, 3, 4])
+    assert jr.ChainCosts.from_dict(held.to_dict()) == held

@@ -20,7 +20,7 @@ import numpy as np
 from jaxremat.api.planner import plan_options, warn_if_global
 from jaxremat.api.plans import Plan, PlanOptions, make_plan
 from jaxremat.core.budgets import Budget
-from jaxremat.core.costs import ChainCosts
+from jaxremat.core.costs import ChainCosts, Shared
 from jaxremat.core.units import format_bytes
 from jaxremat.model.identity import leaf_signature
 from jaxremat.model.jaxpr_chain import MAX_STAGES, JaxprChain, find_cuts, trace
@@ -39,6 +39,24 @@ class _Prepared:
     plan: Plan
     in_tree: Any
     out_tree: Any
+
+
+def with_shared(costs: ChainCosts, traced: JaxprChain) -> ChainCosts:
+    """``costs`` with the traced chain's shared values (``ChainCosts.shared``), sized as the
+    profile sizes activations: scaled by the least ratio of profiled to global bytes over the
+    activations that hold each (per device on a mesh), and no larger than the bundle of the
+    stage that makes them keeps."""
+    found = traced.shared_values()
+    if not found:
+        return costs
+    ratio = [min(1.0, int(costs.x[k]) / max(traced.activation_bytes(k), 1)) for k in range(costs.length + 1)]
+    sized = [(f, last, int(b * min(ratio[f : last + 1])), name) for f, last, b, name in found]
+    made: dict[int, int] = {}
+    for f, _, b, _ in sized:
+        made[f - 1] = made.get(f - 1, 0) + b
+    fit = {i: min(1.0, min(costs.option(i, k).xbar for k in range(costs.option_count(i))) / b) for i, b in made.items() if b}
+    shared = [Shared(f, last, int(b * fit.get(f - 1, 1.0)), name) for f, last, b, name in sized]
+    return dataclasses.replace(costs, shared=tuple(v for v in shared if v.nbytes))
 
 
 class RematFunction:
@@ -79,7 +97,7 @@ class RematFunction:
                                 **self.options.profile_options)
                 x = np.array(costs.x)
                 x[0] = traced.context_bytes  # held for the whole step, as a_0 is
-                costs = dataclasses.replace(costs, x=x)
+                costs = with_shared(dataclasses.replace(costs, x=x), traced)
                 self._costs[key] = costs
             plan = make_plan(traced.chain, variables, (), self.budget, self.options, costs)
         note = (

@@ -10,6 +10,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxremat.core.options import STORE_ALL, StageOption, check_options
+from jaxremat.core.shared import Shared, check_shared
 from jaxremat.core.units import format_bytes
 
 _SIZE_FIELDS = ("x", "xbar", "fwd_tmp", "bwd_tmp")
@@ -50,84 +52,6 @@ def _as_array(name: str, values: Any, *, integral: bool) -> np.ndarray:
     return arr
 
 
-def _options(value: Any, n: int) -> tuple[tuple["StageOption", ...], ...] | None:
-    """``ChainCosts.options`` checked: ``None``, or per stage a sequence of options."""
-    if value is None:
-        return None
-    try:
-        per_stage = list(value)
-    except TypeError:
-        raise ValueError(f"ChainCosts.options must be None or one sequence of StageOption per stage, got {value!r}") from None
-    if len(per_stage) != n:
-        raise ValueError(f"ChainCosts.options has {len(per_stage)} entries; expected L = {n} (one tuple of options per stage)")
-    out = []
-    for i, options in enumerate(per_stage):
-        if options is None:
-            options = ()
-        if isinstance(options, (str, StageOption, dict)):
-            raise ValueError(f"ChainCosts.options[{i}] must be a sequence of StageOption (one stage's options), got {options!r}")
-        got = tuple(StageOption.of(o, f"ChainCosts.options[{i}][{k}] (stage {i}, option {k + 1})") for k, o in enumerate(options))
-        names = [o.name for o in got]
-        if len(set(names)) != len(names):
-            raise ValueError(f"ChainCosts.options[{i}] names a policy twice: {names}")
-        out.append(got)
-    return tuple(out) if any(out) else None
-
-
-@dataclass(frozen=True)
-class StageOption:
-    """A stage stored under a checkpoint policy (``docs/cost_model.md``, *Stage options*).
-
-    Attributes:
-      name: the policy's name, as the executor knows it (``"dots_saveable"``, or a name given in
-        ``policies=``).
-      xbar: bytes the bundle keeps: the residuals the policy saves, plus the stage output.
-      bwd: the backward's time, the recomputation of what the policy does not keep included.
-      bwd_tmp: the backward's transient bytes, the recomputed residuals included.
-    """
-
-    name: str
-    xbar: int
-    bwd: float
-    bwd_tmp: int
-    bwd_flops: float | None = None  # from XLA's cost analysis, when profiled
-
-    @classmethod
-    def of(cls, value: Any, where: str) -> "StageOption":
-        """A :class:`StageOption` from itself, a dict or a ``(name, xbar, bwd, bwd_tmp)`` tuple,
-        checked; ``ValueError`` naming ``where`` when it is not one."""
-        try:
-            flops = None
-            if isinstance(value, StageOption):
-                name, xbar, bwd, bwd_tmp, flops = value.name, value.xbar, value.bwd, value.bwd_tmp, value.bwd_flops
-            elif isinstance(value, dict):
-                name, xbar, bwd, bwd_tmp = (value[k] for k in ("name", "xbar", "bwd", "bwd_tmp"))
-                flops = value.get("bwd_flops")
-            else:
-                name, xbar, bwd, bwd_tmp = value
-        except (TypeError, ValueError, KeyError):
-            raise ValueError(
-                f"{where} must be a jaxremat.StageOption(name, xbar, bwd, bwd_tmp), got {value!r}"
-            ) from None
-        if not isinstance(name, str) or not name or name == STORE_ALL:
-            raise ValueError(f"{where}.name must be a policy name (a non-empty string other than {STORE_ALL!r}), got {name!r}")
-        checked = []
-        for field, v in (("xbar", xbar), ("bwd", bwd), ("bwd_tmp", bwd_tmp)):
-            try:
-                f = float(v)
-            except (TypeError, ValueError):
-                raise ValueError(f"{where}.{field} is not a number: {v!r}") from None
-            if not math.isfinite(f) or f < 0 or (field != "bwd" and f != math.floor(f)):
-                what = "a finite number >= 0" if field == "bwd" else "a whole number of bytes >= 0"
-                raise ValueError(f"{where}.{field} = {v!r}; it must be {what}")
-            checked.append(f if field == "bwd" else int(f))
-        return cls(name, *checked, None if flops is None else float(flops))
-
-
-#: The name of option 0 of every stage: every residual kept.
-STORE_ALL = "store_all"
-
-
 @dataclass(frozen=True, eq=False)
 class ChainCosts:
     """Per-stage costs of a chain of ``L`` stages (see ``docs/cost_model.md``).
@@ -147,6 +71,11 @@ class ChainCosts:
         what ``Fall i; B i`` costs: ``fwd + bwd`` and ``xbar + max(fwd_tmp - x[i], bwd_tmp)``.
       options: per stage, a tuple of :class:`StageOption` (store options ``1 .. K_i - 1``;
         option 0 is store-all, the arrays above); ``None``: no stage has options.
+      shared: values that are part of several consecutive activations (:class:`Shared`: a skip
+        connection's tensor), each counted once however many of those activations are live.
+      held: optional ``L`` bytes that stage ``i``'s backward makes from constants alone (the
+        zeros a transposed resize or pooling scatters the input's gradient into): XLA makes
+        them at the step's start, so every schedule holds them from then until that backward.
 
     Arrays are stored as read-only numpy arrays (sizes as ``int64``, times as ``float64``).
     """
@@ -167,6 +96,8 @@ class ChainCosts:
     fb_tmp: np.ndarray | None = None
     options: tuple[tuple[StageOption, ...], ...] | None = None
     devices: int = 1  # > 1: the sizes are per device, of a program partitioned over that many
+    shared: tuple[Shared, ...] = ()
+    held: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in FIELDS:
@@ -205,7 +136,21 @@ class ChainCosts:
             if len(arr) != n:
                 raise ValueError(f"ChainCosts.{name} has {len(arr)} entries; expected L = {n} (one per stage)")
             object.__setattr__(self, name, arr)
-        object.__setattr__(self, "options", _options(self.options, n))
+        object.__setattr__(self, "options", check_options(self.options, n))
+        object.__setattr__(self, "shared", check_shared(self.shared, self.x))
+        held = np.zeros(n, np.int64) if self.held is None else _as_array("held", self.held, integral=True)
+        if len(held) != n:
+            raise ValueError(f"ChainCosts.held has {len(held)} entries; expected L = {n} (one per stage)")
+        object.__setattr__(self, "held", held)
+        for v in self.shared:  # a bundle holds its output's new shared values
+            made = v.first - 1
+            for k in range(self.option_count(made)):
+                o = self.option(made, k)
+                if o.xbar < self.new_shared_bytes(made):
+                    raise ValueError(
+                        f"ChainCosts: stage {made}'s option {k} ({o.name}) keeps {o.xbar} bytes, less than the shared "
+                        f"values it makes ({self.new_shared_bytes(made)} bytes, which its bundle holds)"
+                    )
 
     @property
     def length(self) -> int:
@@ -218,12 +163,52 @@ class ChainCosts:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ChainCosts):
             return NotImplemented
-        return self.names == other.names and self.options == other.options and all(
+        return self.names == other.names and self.options == other.options and self.shared == other.shared and np.array_equal(self.held, other.held) and all(
             np.array_equal(getattr(self, f), getattr(other, f)) for f in FIELDS + V2_FIELDS
         )
 
     def __hash__(self) -> int:
         return hash(tuple(getattr(self, f).tobytes() for f in FIELDS + V2_FIELDS))
+
+    @functools.cached_property
+    def held_before(self) -> np.ndarray:
+        """``P[n]``: bytes of :attr:`held` of stages ``0 .. n-1`` (``n = 0 .. L+1``; ``P[L+1] =
+        P[L]``): what is held while the backward of stage ``n`` runs, or, at ``n = t + 1``, while
+        any forward op runs before the backward of stage ``t``."""
+        p = np.concatenate([[0], np.cumsum(self.held), [self.held.sum()]]).astype(np.int64)
+        p.setflags(write=False)
+        return p
+
+    # -- shared values ---------------------------------------------------------------------------
+
+    def shared_in(self, k: int) -> tuple[int, ...]:
+        """Indices into :attr:`shared` of the values that are part of ``a_k``."""
+        return tuple(n for n, v in enumerate(self.shared) if v.first <= k <= v.last)
+
+    @functools.cached_property
+    def shared_pieces(self) -> tuple[tuple[int, ...], ...]:
+        """Per activation ``a_0 .. a_L``: :meth:`shared_in` (for the simulator's inner loop)."""
+        return tuple(self.shared_in(k) for k in range(self.length + 1))
+
+    def new_shared_bytes(self, i: int) -> int:
+        """Bytes of the shared values stage ``i`` makes (part of ``a_{i+1}``, not of ``a_i``)."""
+        return sum(v.nbytes for v in self.shared if v.first == i + 1)
+
+    @functools.cached_property
+    def overlap(self) -> np.ndarray:
+        """``(L+1, L+1)`` bytes that ``a_p`` and ``a_q`` share (``overlap[k, k]``: the shared
+        bytes of ``a_k``); all zeros without shared values."""
+        n = self.length + 1
+        ov = np.zeros((n, n), np.int64)
+        for v in self.shared:
+            ov[v.first : v.last + 1, v.first : v.last + 1] += v.nbytes
+        ov.setflags(write=False)
+        return ov
+
+    def without_shared(self) -> "ChainCosts":
+        """These costs with every shared value counted in each activation that holds it (what a
+        solver that does not model sharing assumes: a safe over-count)."""
+        return dataclasses.replace(self, shared=())
 
     # -- store options ---------------------------------------------------------------------------
 
@@ -282,6 +267,10 @@ class ChainCosts:
             d["options"] = [[dataclasses.asdict(o) for o in per] for per in self.options]
         if self.devices != 1:
             d["devices"] = self.devices
+        if self.shared:
+            d["shared"] = [dataclasses.asdict(v) for v in self.shared]
+        if self.held.any():
+            d["held"] = self.held.tolist()
         return d
 
     @classmethod
@@ -291,7 +280,7 @@ class ChainCosts:
             raise ValueError(f"ChainCosts.from_dict: missing field(s) {missing}")
         return cls(
             **{f: d[f] for f in FIELDS}, names=d.get("names"), **{f: d.get(f) for f in OPTIONAL_FIELDS + V2_FIELDS},
-            options=d.get("options"), devices=int(d.get("devices", 1)),
+            options=d.get("options"), devices=int(d.get("devices", 1)), shared=d.get("shared", ()), held=d.get("held"),
         )
 
     @classmethod
@@ -347,7 +336,11 @@ class ChainCosts:
         widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.insert(0, f"input a_0: {format_bytes(self.x[0])}")
+        lines.insert(0, f"input a_0: {format_bytes(self.x[0])}"
+                     + (f"; made from constants at the step's start, held until each backward: "
+                        f"{format_bytes(self.held.sum())}" if self.held.any() else ""))
+        for v in self.shared:
+            lines.append(f"shared{' ' + v.name if v.name else ''}: {format_bytes(v.nbytes)} in a_{v.first} .. a_{v.last}")
         return "\n".join(lines)
 
     def stage_name(self, i: int) -> str:

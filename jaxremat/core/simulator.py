@@ -8,6 +8,13 @@ adds time: compute ops run one at a time in list order, copies run beside them o
 and a compute op that needs a buffer still being prefetched waits for it (a stall). Memory is
 counted at op granularity, on the safe side: an offload releases its device bytes at the first
 compute op that starts after its copy ended.
+
+Bytes a stage's backward makes from constants alone (``ChainCosts.held``) count from the start
+until that backward runs, as XLA allocates them.
+
+Shared values (``ChainCosts.shared``: a skip tensor that is part of several activations) are
+counted once: each is reference-counted by the live buffers that hold it, and a buffer's bytes
+are its own bytes plus those of its shared values no other live buffer holds.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ class Machine:
 
     __slots__ = (
         "costs", "L", "a", "abar", "delta", "next_b", "loss_done", "cur", "time",
-        "bandwidth", "offloading", "on_host", "prefetching", "links", "host_spans", "stall",
+        "bandwidth", "offloading", "on_host", "prefetching", "links", "host_spans", "stall", "refs", "P",
     )
 
     def __init__(self, costs: ChainCosts, bandwidth: Bandwidth | None = None):
@@ -73,6 +80,8 @@ class Machine:
         self.links = {"to_host": 0.0, "to_device": 0.0}  # when each link's last copy ends
         self.host_spans: list[tuple[float, float, int]] = []  # (from, to, bytes) held on the host
         self.stall = 0.0
+        self.refs: dict[int, int] = {}  # shared value -> how many live buffers hold it
+        self.P = tuple(int(v) for v in costs.held_before)  # held until each backward, by stage
 
     def copy(self) -> "Machine":
         m = Machine.__new__(Machine)
@@ -83,6 +92,7 @@ class Machine:
         m.bandwidth, m.offloading, m.on_host = self.bandwidth, dict(self.offloading), set(self.on_host)
         m.prefetching, m.links = dict(self.prefetching), dict(self.links)
         m.host_spans, m.stall = list(self.host_spans), self.stall
+        m.refs, m.P = dict(self.refs), self.P
         return m
 
     def key(self) -> tuple:
@@ -99,6 +109,41 @@ class Machine:
     def nbytes(self, key: Key) -> int:
         kind, i = key
         return int(self.costs.x[i]) if kind == "a" else int(self.costs.option_table[i][self.abar[i]][0])
+
+    # A buffer's shared values: the standalone a_k holds those of a_k; the bundle abar_i those of
+    # a_{i+1} (its output), and its xbar already counts the ones stage i makes (the others are
+    # a_i's, live as long as the bundle).
+    def _own(self, key: Key, xbar: int = 0) -> tuple[tuple[int, ...], int]:
+        c = self.costs
+        kind, i = key
+        if not c.shared:
+            return (), int(c.x[i]) if kind == "a" else xbar
+        if kind == "a":
+            pieces = c.shared_pieces[i]
+            return pieces, int(c.x[i]) - sum(c.shared[n].nbytes for n in pieces)
+        return c.shared_pieces[i + 1], xbar - c.new_shared_bytes(i)
+
+    def _gain(self, key: Key, xbar: int = 0) -> int:
+        """Bytes that making ``key`` adds: its own, and its shared values not yet live."""
+        pieces, own = self._own(key, xbar)
+        return own + sum(self.costs.shared[n].nbytes for n in pieces if not self.refs.get(n))
+
+    def _hold(self, key: Key, xbar: int = 0) -> int:
+        """Make ``key`` live; return the bytes added."""
+        added = self._gain(key, xbar)
+        for n in self._own(key, xbar)[0]:
+            self.refs[n] = self.refs.get(n, 0) + 1
+        return added
+
+    def _release(self, key: Key, xbar: int = 0) -> int:
+        """Free ``key``; return the bytes freed (its shared values that no other buffer holds)."""
+        pieces, own = self._own(key, xbar)
+        freed = own
+        for n in pieces:
+            self.refs[n] -= 1
+            if not self.refs[n]:
+                freed += self.costs.shared[n].nbytes
+        return freed
 
     def holder(self, i: int) -> Key | None:
         """The buffer that holds ``a_i`` (``None`` for the input ``a_0``)."""
@@ -117,6 +162,11 @@ class Machine:
         """Issue a copy at the end of the last compute op (``docs/cost_model.md``)."""
         if self.bandwidth is None:
             raise fail("a transfer needs a bandwidth: simulate(costs, ops, bandwidth=bytes per time unit)")
+        if self.costs.shared:
+            raise fail(
+                "transfers on a chain with shared values are not modelled (a value held by several buffers "
+                "would move with one of them); replay on costs.without_shared()"
+            )
         key: Key = (op.buffer, op.stage)
         exists = op.stage in self.a if op.buffer == "a" else op.stage in self.abar
         if op.kind is OpKind.OFFLOAD:
@@ -210,16 +260,18 @@ class Machine:
                 if k >= len(table):
                     raise fail(f"stage {i} has {len(table)} store option(s); there is no option {k}")
                 xbar = table[k][0]
-                peak = self.cur + xbar + int(c.fwd_tmp[i])
+                added = self._hold(("abar", i), xbar)
+                peak = self.cur + added + int(c.fwd_tmp[i]) + self.P[self.next_b + 1]
                 self.abar[i] = k
-                self.cur += xbar
+                self.cur += added
             else:
-                peak = self.cur + int(c.x[i + 1]) + int(c.fwd_tmp[i])
+                added = self._hold(("a", i + 1))
+                peak = self.cur + added + int(c.fwd_tmp[i]) + self.P[self.next_b + 1]
                 self.a.add(i + 1)
-                self.cur += int(c.x[i + 1])
+                self.cur += added
                 if kind is OpKind.FN and i in self.a:
                     self.a.discard(i)
-                    self.cur -= int(c.x[i])
+                    self.cur -= self._release(("a", i))
                     self.freed(("a", i))
             self.time += float(c.fwd[i])
             return peak
@@ -230,13 +282,13 @@ class Machine:
                 raise fail("Loss runs exactly once")
             if not self.a_live(L):
                 raise fail(f"a_{L} is not live (run the forward of stage {L - 1} first)")
-            peak = self.cur + int(c.x[L])
+            peak = self.cur + int(c.x[L]) + self.P[L]
             self.loss_done = True
             self.delta = L
             self.cur += int(c.x[L])
             if L in self.a:
                 self.a.discard(L)
-                self.cur -= int(c.x[L])
+                self.cur -= self._release(("a", L))
                 self.freed(("a", L))
             return peak
         # OpKind.B or OpKind.FB: the backward of stage i
@@ -255,8 +307,8 @@ class Machine:
             if i not in self.abar:
                 raise fail(f"abar_{i} is not live (stage {i} must run 'Fall' before its backward)")
             xbar, bwd, bwd_tmp = c.option_table[i][self.abar.pop(i)]
-            peak = self.cur + int(c.x[i]) + bwd_tmp
-            self.cur -= xbar
+            peak = self.cur + int(c.x[i]) + bwd_tmp + self.P[i]
+            self.cur -= self._release(("abar", i), xbar)
             self.freed(("abar", i))
             self.time += bwd
         else:
@@ -264,13 +316,13 @@ class Machine:
                 raise fail(f"abar_{i} is live: 'FB' recomputes the stage, so its bundle must not exist (use 'B')")
             if (i + 1) in self.a:
                 raise fail(f"a standalone a_{i + 1} is live: 'FB' never makes the stage's output")
-            peak = self.cur + int(c.x[i]) + int(c.fb_tmp[i])
+            peak = self.cur + int(c.x[i]) + int(c.fb_tmp[i]) + self.P[i]
             self.time += float(c.fb[i])
         self.cur += int(c.x[i]) - int(c.x[i + 1])
         self.delta = i
         if i in self.a:
             self.a.discard(i)
-            self.cur -= int(c.x[i])
+            self.cur -= self._release(("a", i))
             self.freed(("a", i))
         self.next_b = i - 1
         return peak

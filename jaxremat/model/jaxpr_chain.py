@@ -15,8 +15,9 @@ What a stage reads:
   (counted once, in the plan's ``x[0]``), not passed from stage to stage as an activation.
 * its activation ``a_k``: every value that can carry a gradient, made by an earlier stage and
   read by this stage or a later one (a tuple, in the order the values were made). A value read
-  by many later stages (a U-Net's skip tensor) is part of each ``a_k`` it crosses: the cost model
-  counts it at each checkpoint that keeps it, more than XLA, which keeps one buffer.
+  by a stage past the next one (a U-Net's skip tensor) is part of each ``a_k`` it crosses, passed
+  through unchanged: one buffer, which the plan counts once however many of those activations
+  are live (:meth:`JaxprChain.shared_values`, ``ChainCosts.shared``).
 
 An equation with sub-jaxprs (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``, ``cond``,
 ``scan``, ``while``) is never cut: a ``scan`` over layers (``nn.scan``) is one stage.
@@ -344,6 +345,24 @@ class JaxprChain:
             {"params": tuple(flat[j] for j in p.params), "inputs": tuple(flat[j] for j in p.inputs), "context": tuple(c)}
             for p, c in zip(self.plans, context)
         ]
+
+    def activation_bytes(self, k: int) -> int:
+        """Bytes of ``a_k`` (global shapes), ``k = 0 .. L``."""
+        vs = self.plans[k].acts_in if k < len(self.plans) else self.plans[-1].outs
+        return sum(_nbytes(v) for v in vs if _is_var(v))
+
+    def shared_values(self) -> list[tuple[int, int, int, str]]:
+        """``(first, last, bytes, name)`` of each value that is part of ``a_first .. a_last``
+        (two or more activations), with its global size and the name of the stage that makes it."""
+        where: dict[Any, list[int]] = {}
+        for k, p in enumerate(self.plans):
+            for v in p.acts_in:
+                where.setdefault(v, []).append(k)
+        L = len(self.plans)
+        for v in dict.fromkeys(v for v in self.closed.jaxpr.outvars if _is_var(v)):
+            if v in where:
+                where[v].append(L)
+        return [(ks[0], ks[-1], _nbytes(v), self.cuts.names[ks[0] - 1]) for v, ks in where.items() if len(ks) > 1]
 
     @property
     def context_bytes(self) -> int:

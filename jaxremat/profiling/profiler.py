@@ -20,7 +20,7 @@ from jaxremat.profiling.rates import Rates, device_rates
 from jaxremat.profiling.stage import StageProfile, profile_stage
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-PROFILE_VERSION = 8  # 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
+PROFILE_VERSION = 9  # 9: buffers made from constants alone (held for the step, not in xbar); 8: 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
 
 
 @contextlib.contextmanager
@@ -117,6 +117,7 @@ def profile_stages(
         **{f: [getattr(p, g) for p in stages] for f, g in fields.items()},
         options=[useful_options(p) for p in stages] if measured else None,
         devices=mesh_devices((variables, sample)),
+        held=[p.held for p in stages],
     )
     return costs, stages
 

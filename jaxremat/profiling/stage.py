@@ -41,6 +41,7 @@ class StageProfile:
     fb_flops: float = 0.0
     options: tuple["OptionProfile", ...] = ()
     flags: tuple[str, ...] = ()  # measurements to doubt (a backward far below its flops' share)
+    held: int = 0  # bytes its backward makes from constants alone: a training step makes them at its start
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageProfile":
@@ -65,6 +66,19 @@ class OptionProfile:
 
 def _split_params(v: dict) -> tuple[Any, dict]:
     return v.get("params", {}), {k: t for k, t in v.items() if k != "params"}
+
+
+_HLO_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int32": "s32",
+              "int64": "s64", "int8": "s8", "uint8": "u8", "bool": "pred"}
+
+
+def hlo_shape(s: Any) -> str:
+    """An array's per-device shape as HLO writes it (``f32[4,32,32,8]``)."""
+    shape = tuple(s.shape)
+    sharding = getattr(s, "sharding", None)
+    if sharding is not None and hasattr(sharding, "shard_shape"):
+        shape = tuple(sharding.shard_shape(shape))
+    return f"{_HLO_TYPES.get(str(s.dtype), str(s.dtype))}[{','.join(map(str, shape))}]"
 
 
 def _stage_fn(st: Stage):
@@ -189,8 +203,9 @@ def profile_stage(
     fwd_tmp = int(fwd_c.memory_analysis().temp_size_in_bytes)
     # FB's bytes without the credit for an output written over a dying input: XLA does that in
     # some training steps (an MLP's gelu) but not in others (a residual block, 1.11x the plan)
-    fb_c, fb_tmp = transient_bytes(
-        lambda p, x, r, k, c: pullback(p, x, r, k)(c), params, a_shape, rest, rng, cot_shape, reuse=False
+    fb_c, fb_tmp, held = transient_bytes(
+        lambda p, x, r, k, c: pullback(p, x, r, k)(c), params, a_shape, rest, rng, cot_shape, reuse=False,
+        constants=[hlo_shape(s) for s in jax.tree.leaves(a_shape)] if input_grad else [],
     )
     if scanned:
         # a Repeat's copy runs its FB inside a loop iteration, where XLA keeps the recomputed
@@ -234,7 +249,7 @@ def profile_stage(
         name=st.name, kind=st.kind, out_shape=shape_txt, x_out=tree_bytes(out_shape), xbar=xbar,
         fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp,
         fwd_flops=ff, bwd_flops=bf, fwd_bytes=fbytes, bwd_bytes=bb, fwd_time=ft, bwd_time=bt,
-        fb_time=fbt, fb_tmp=int(fb_tmp), fb_flops=fbf,
+        fb_time=fbt, fb_tmp=int(fb_tmp), fb_flops=fbf, held=int(held),
         options=tuple(
             OptionProfile(name, o[0], o[2], costs[name][0], costs[name][1], opt_t[name]) for name, o in opts.items()
         ),

@@ -40,6 +40,20 @@ class SlotChain:
     bwd: np.ndarray  # float64, (K, L+1); inf where a stage lacks the option
     fb: np.ndarray  # float64, L+1: time of FB s
     fb_tmp: np.ndarray  # L+1: bytes of FB s beyond a_s, delta_{s+1}, delta_s
+    ov: np.ndarray | None = None  # (L+2, L+2): bytes a_p and a_q share (rounded down); None: nothing shared
+    P: np.ndarray | None = None  # L+2: ChainCosts.held_before (rounded up); None: nothing held
+
+    @property
+    def held(self) -> np.ndarray:
+        """``P[n]`` (zeros when nothing is held): held while stage ``n``'s backward runs, and
+        while forward ops run before the backward of stage ``n - 1``."""
+        return np.zeros(self.L + 2, np.int64) if self.P is None else self.P
+
+    @property
+    def xd(self) -> np.ndarray:
+        """``x[n] + P[n]``: what ``δ_n`` and the held bytes take while the segment ending at
+        stage ``n - 1`` runs its forward ops (the DP's ``x[t+1]`` in every forward check)."""
+        return self.x + self.held
 
     @property
     def K(self) -> int:
@@ -78,6 +92,8 @@ def extend(costs: ChainCosts) -> SlotChain:
         bwd=np.where(exists, pad(bwd, np.float64), np.inf),
         fb=np.concatenate([costs.fb, zf]),
         fb_tmp=np.concatenate([costs.fb_tmp, z]),
+        ov=np.pad(costs.overlap, (0, 1)) if costs.shared else None,
+        P=np.array(costs.held_before) if costs.held.any() else None,
     )
 
 
@@ -85,10 +101,16 @@ def discretise(costs: ChainCosts, budget: int, slots: int) -> SlotChain:
     """Sizes in slots of ``(budget - x[0]) / slots`` bytes, every size rounded up."""
     b = extend(costs)
     mem = int(budget) - int(costs.x[0])
+    x = _ceil_slots(b.x, mem, slots)
+    ov = None
+    if b.ov is not None:
+        # the DP subtracts ov[p, q] from x[q]: round the difference up (x[q] - ov[p, q] bytes, in
+        # slots), not each term, so that a size clipped at slots + 1 stays out of reach
+        ov = np.maximum(x[None, :] - _ceil_slots(b.x[None, :] - b.ov, mem, slots), 0)
     return SlotChain(
         L=b.L,
         slots=slots,
-        x=_ceil_slots(b.x, mem, slots),
+        x=x,
         xbar=_ceil_slots(b.xbar, mem, slots),
         fwd_tmp=_ceil_slots(b.fwd_tmp, mem, slots),
         bwd_tmp=_ceil_slots(b.bwd_tmp, mem, slots),
@@ -96,6 +118,8 @@ def discretise(costs: ChainCosts, budget: int, slots: int) -> SlotChain:
         bwd=b.bwd,
         fb=b.fb,
         fb_tmp=_ceil_slots(b.fb_tmp, mem, slots),
+        ov=ov,
+        P=None if b.P is None else _ceil_slots(b.P, mem, slots),
     )
 
 
@@ -103,9 +127,9 @@ def base_need(c: SlotChain) -> np.ndarray:
     """``(K + 1, L + 1)``: the memory the base case ``s == t`` needs with each store option
     (``Fall s k; B s``, rows ``0 .. K-1``) and with ``FB s`` (row ``K``), ``δ_{s+1}`` included."""
     s = np.arange(c.L + 1)
-    x0, x1 = c.x[s], c.x[s + 1]
-    stored = np.maximum(x1 + c.xbar + c.fwd_tmp, x0 + x1 + c.xbar + c.bwd_tmp)
-    return np.concatenate([stored, (x1 + x0 + c.fb_tmp)[None, :]])
+    x0, x1, P = c.x[s], c.x[s + 1], c.held
+    stored = np.maximum(x1 + c.xbar + c.fwd_tmp + P[s + 1], x0 + x1 + c.xbar + c.bwd_tmp + P[s])
+    return np.concatenate([stored, (x1 + x0 + c.fb_tmp + P[s])[None, :]])
 
 
 def base_time(c: SlotChain) -> np.ndarray:
@@ -118,15 +142,18 @@ def store_need(c: SlotChain) -> tuple[np.ndarray, np.ndarray]:
     backward ``B s`` needs (``x[s] + x[s+1] + xbar + bwd_tmp``), and the forward's need beyond
     ``x[t+1]`` (``xbar + fwd_tmp``)."""
     s = np.arange(c.L + 1)
-    return c.x[s] + c.x[s + 1] + c.xbar + c.bwd_tmp, c.xbar + c.fwd_tmp
+    return c.x[s] + c.x[s + 1] + c.xbar + c.bwd_tmp + c.held[s], c.xbar + c.fwd_tmp
 
 
-def forward_thresholds(x: np.ndarray, fwd_tmp: np.ndarray, rows: int, cols: int) -> np.ndarray:
+def forward_thresholds(x: np.ndarray, fwd_tmp: np.ndarray, rows: int, cols: int, ov: np.ndarray | None = None) -> np.ndarray:
     """``T[s, k]``: memory the forwards ``Fck s, Fn s+1 .. Fn s+k`` need beyond ``δ_{t+1}``.
 
     ``T[s, k] = max(x[s+1] + fwd_tmp[s], max_{1<=q<=k} x[s+q] + x[s+q+1] + fwd_tmp[s+q])``:
     the checkpoint option ``j = s + k + 1`` of the DP is allowed iff ``m >= x[t+1] + T[s, k]``.
-    Entries past the chain's end are filled with clipped indices and never used.
+    With shared values (``ov``), each activation counts only what is not already live: ``a_{s+q}``
+    less what it shares with the held ``a_s``, ``a_{s+q+1}`` less what it shares with ``a_{s+q}``
+    (a value shared with ``a_s`` and ``a_{s+q+1}`` is in ``a_{s+q}`` too: values span runs of
+    activations). Entries past the chain's end are filled with clipped indices and never used.
     """
     n = len(fwd_tmp)
     xi = lambda i: x[np.minimum(i, len(x) - 1)]  # noqa: E731
@@ -135,6 +162,10 @@ def forward_thresholds(x: np.ndarray, fwd_tmp: np.ndarray, rows: int, cols: int)
     q = np.arange(cols)[None, :]
     w = xi(s + q) + xi(s + q + 1) + fi(s + q)
     u = xi(s + 1) + fi(s)
+    if ov is not None:
+        oi = lambda p, r: ov[np.minimum(p, len(ov) - 1), np.minimum(r, len(ov) - 1)]  # noqa: E731
+        w = w - oi(s, s + q) - oi(s + q, s + q + 1)
+        u = u - oi(s, s + 1)
     w = np.where(q == 0, u, w)
     return np.maximum.accumulate(w, axis=1)
 
@@ -169,7 +200,8 @@ def least_memory(c: SlotChain) -> int:
     """
     L = c.L
     x, xb, ft = c.x, c.xbar, c.fwd_tmp
-    T = forward_thresholds(x, ft, L + 1, L + 1)
+    T = forward_thresholds(x, ft, L + 1, L + 1, c.ov)
+    ov = np.zeros((L + 2, L + 2), np.int64) if c.ov is None else c.ov
     big = np.iinfo(np.int64).max // 8
     need = np.full((L + 2, L + 2), big, dtype=np.int64)  # need[s, length]
     s_all = np.arange(L + 1)
@@ -178,14 +210,15 @@ def least_memory(c: SlotChain) -> int:
     for d in range(1, L + 1):
         s = np.arange(L - d + 1)
         t = s + d
+        xd = c.xd
         sa = np.maximum(
-            np.maximum(x[t + 1][None, :] + fwd_need[:, s], back[:, s]),
+            np.maximum(xd[t + 1][None, :] + fwd_need[:, s], back[:, s]),
             xb[:, s] + need[s + 1, d - 1][None, :],
         ).min(axis=0)
         k = np.arange(d)[None, :]
         j = s[:, None] + k + 1
         ck = np.maximum(
-            np.maximum(x[t + 1][:, None] + T[s[:, None], k], x[j] + need[j, d - 1 - k]),
+            np.maximum(xd[t + 1][:, None] + T[s[:, None], k], x[j] - ov[s[:, None], j] + need[j, d - 1 - k]),
             need[s[:, None], k],
         )
         need[s, d] = np.minimum(sa, ck.min(axis=1))

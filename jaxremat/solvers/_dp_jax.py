@@ -64,9 +64,11 @@ def prepare(c: SlotChain) -> dict[str, np.ndarray]:
         L=np.int32(c.L),
         m=np.arange(-(-(c.slots + 1) // MPAD) * MPAD, dtype=np.int32),
         x=_pad(c.x, 2 * nr + 2, np.int32),
+        xd=_pad(c.xd, 2 * nr + 2, np.int32),
         xbar=_pad(c.xbar, nr + 1, np.int32),
         fwd_tmp=_pad(c.fwd_tmp, nr + 1, np.int32),
-        bwd_tmp=_pad(c.bwd_tmp, nr + 1, np.int32),
+        # B s's need, as the fill computes it from x, xbar and bwd_tmp, with what is held then
+        bwd_tmp=_pad(c.bwd_tmp + c.held[: c.L + 1][None, :], nr + 1, np.int32),
         fb=_pad(fb, nr + 1, np.float32),
         base_need=_pad(np.minimum(base_need(c), never), nr, np.int32, never),
         base_time=_pad(np.concatenate([fb, c.fb.astype(np.float32)[None, :]]), nr, np.float32, np.inf),
@@ -92,7 +94,7 @@ def _shift(rows: jax.Array, by: jax.Array, m: jax.Array) -> jax.Array:
 _CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_enable_fast_min_max": True}
 
 
-def fill(L, m, x, xbar, fwd_tmp, bwd_tmp, fb, base_need, base_time, thr, F, prune: bool = True) -> jax.Array:
+def fill(L, m, x, xd, xbar, fwd_tmp, bwd_tmp, fb, base_need, base_time, thr, F, prune: bool = True) -> jax.Array:
     """Fill the table; return ``A`` (see the module docstring for its layout).
 
     Order: blocks of ``BS`` starts from the chain's end backwards, and for each block the
@@ -135,14 +137,14 @@ def fill(L, m, x, xbar, fwd_tmp, bwd_tmp, fb, base_need, base_time, thr, F, prun
         best = jnp.full((BS, S1), jnp.inf, jnp.float32)
         for k in range(K):  # few options: unrolled
             nxt = _shift(rest, xbar[k, ss], m)
-            sa_ok = (m[None, :] >= (x[ss + d + 1] + xbar[k, ss] + fwd_tmp[ss])[:, None]) & (m[None, :] >= back[k, ss][:, None])
+            sa_ok = (m[None, :] >= (xd[ss + d + 1] + xbar[k, ss] + fwd_tmp[ss])[:, None]) & (m[None, :] >= back[k, ss][:, None])
             best = jnp.minimum(best, jnp.where(sa_ok, fb[k, ss][:, None] + nxt, jnp.inf))
         valid = ss <= L - d
 
         def block(kb, acc):
             k0 = kb * BK
             kk = k0 + b_idx
-            lim = x[ss + d + 1][:, None] + lax.dynamic_slice(thr, (s0, k0), (BS, BK))
+            lim = xd[ss + d + 1][:, None] + lax.dynamic_slice(thr, (s0, k0), (BS, BK))
             lim = jnp.where(valid[:, None] & (kk[None, :] < d), lim, jnp.iinfo(jnp.int32).max)
             fs = lax.dynamic_slice(F, (s0, k0), (BS, BK))
             # Prune. The table is non-increasing in m, so a split costs at least its value at the
@@ -204,7 +206,7 @@ def compile_count() -> int:
     return _compiled.cache_info().currsize
 
 
-_ORDER = ("L", "m", "x", "xbar", "fwd_tmp", "bwd_tmp", "fb", "base_need", "base_time", "thr", "F")
+_ORDER = ("L", "m", "x", "xd", "xbar", "fwd_tmp", "bwd_tmp", "fb", "base_need", "base_time", "thr", "F")
 
 
 def table(c: SlotChain, *, prune: bool = True) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -41,7 +41,7 @@ def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray], root: tuple[int, int
     """
     L = int(args["L"])
     S = int(args["S"])
-    x, xbar, ftmp = args["x"], args["xbar"], args["fwd_tmp"]
+    x, xd, xbar, ftmp = args["x"], args["xd"], args["xbar"], args["fwd_tmp"]
     fb, thr, F = args["fb"], args["thr"], args["F"]
     K = xbar.shape[0]
     back = x[None, : L + 1] + x[None, 1 : L + 2] + xbar[:, : L + 1] + args["bwd_tmp"][:, : L + 1]
@@ -63,13 +63,13 @@ def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray], root: tuple[int, int
         d = t - s
         best, choice = np.float32(np.inf), None
         for k in range(K):
-            if m >= x[t + 1] + xbar[k, s] + ftmp[s] and m >= back[k, s] and m >= xbar[k, s]:
+            if m >= xd[t + 1] + xbar[k, s] + ftmp[s] and m >= back[k, s] and m >= xbar[k, s]:
                 v = fb[k, s] + A[s + 1, d - 1, m - xbar[k, s]]
                 if v < best:
                     best, choice = v, ("store", k)
         q = np.arange(d)
         j = s + q + 1
-        ok = (m >= x[j]) & (m >= x[t + 1] + thr[s, :d])
+        ok = (m >= x[j]) & (m >= xd[t + 1] + thr[s, :d])
         if ok.any():
             q, j = q[ok], j[ok]
             v = (A[s, q, m] + A[j, t - j, m - x[j]]) + F[s, q]

@@ -33,6 +33,7 @@ fits in bytes and the replay's time equals the DP's.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -256,6 +257,10 @@ def offload_ops(
 ) -> tuple[list[Op] | None, float]:
     """The DP's op list and time for ``budget`` (``(None, inf)`` if nothing fits in slots).
     ``remat=False`` keeps to offloading alone: every stage stored whole, nothing recomputed."""
+    if costs.held.any():
+        # bytes held until a stage's backward: planned as held for the whole step (safe; the
+        # replay releases them at each backward)
+        budget, costs = int(budget) - int(costs.held.sum()), dataclasses.replace(costs, held=None)
     if int(budget) <= int(costs.x[0]):
         return None, INF
     p = _Problem(costs, budget, slots, bandwidth, remat)
@@ -275,9 +280,11 @@ def solve_offload(costs: ChainCosts, budget: int, slots: int, bandwidth: Bandwid
         best = Schedule.from_ops(costs, best.ops, budget=budget, algorithm=algorithm, note=best.note, bandwidth=bandwidth)
     except InfeasibleBudget:
         pass
+    # Shared values are not modelled with transfers: the offload DP (which ignores them, a safe
+    # over-count) is replayed as if each activation held its own copy of them.
     ops, _ = offload_ops(costs, budget, slots, bandwidth)
     if ops is not None:
-        sched = Schedule.from_ops(costs, ops, budget=budget, algorithm=algorithm, bandwidth=bandwidth)
+        sched = Schedule.from_ops(costs.without_shared(), ops, budget=budget, algorithm=algorithm, bandwidth=bandwidth)
         if sched.peak > budget:
             raise AssertionError(f"offload DP schedule peaks at {sched.peak} bytes over the budget {budget}")
         if best is None or sched.time < best.time:

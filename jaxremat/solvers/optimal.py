@@ -12,12 +12,18 @@ from jaxremat.core.ops import FORWARD_KINDS, Op, OpKind, store_all_ops
 from jaxremat.solvers import baselines
 from jaxremat.solvers._discretise import ABSENT, bisect_least, discretise, extend, least_memory
 from jaxremat.solvers._dp_jax import table
+from jaxremat.solvers._dp_numpy import reference_ops, reference_table
 from jaxremat.solvers._rebuild import rebuild_ops
 
 
 def dp_ops(costs: ChainCosts, budget: int, slots: int) -> list[Op] | None:
-    """The DP's op list for ``budget`` with ``slots`` slots, or ``None`` if nothing fits in slots."""
+    """The DP's op list for ``budget`` with ``slots`` slots, or ``None`` if nothing fits in slots.
+
+    Chains with shared values take the numpy DP (its checkpoint shift depends on the segment's
+    start; see :mod:`jaxremat.solvers._dp_numpy`)."""
     c = discretise(costs, budget, slots)
+    if c.ov is not None:
+        return reference_ops(c, reference_table(c))
     A, args = table(c)
     if not np.isfinite(A[0, c.L, slots]):
         return None
@@ -40,7 +46,7 @@ def dp_min_budget(costs: ChainCosts, slots: int) -> int | None:
     # each positive size rounds to 1 slot at best; an option a stage lacks never fits
     ones = lambda v: np.where(v >= ABSENT, slots + 1, np.minimum(v, 1))  # noqa: E731
     limit = dataclasses.replace(
-        b, slots=slots, x=ones(b.x), xbar=ones(b.xbar), fwd_tmp=ones(b.fwd_tmp), bwd_tmp=ones(b.bwd_tmp),
+        b, slots=slots, ov=None, x=ones(b.x), xbar=ones(b.xbar), fwd_tmp=ones(b.fwd_tmp), bwd_tmp=ones(b.bwd_tmp),
         fb_tmp=ones(b.fb_tmp),
     )
     if least_memory(limit) > slots:
