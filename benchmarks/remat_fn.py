@@ -4,8 +4,12 @@ A 24-block GPT-style decoder written with a Python loop over its blocks (``__cal
 them in turn) is planned by ``jaxremat.remat`` (cut from its jaxpr at the blocks' module scope),
 and the same blocks as an ``nn.Sequential`` by ``remat_chain``. For budgets of 30%, 50% and 75%:
 compile time of the training step (loss and gradients, CPU, remat made real), XLA's temp
-against the plan's peak, and the temp against the plain step's. Writes
-``benchmarks/results/remat_fn.md``.
+against the plan's peak, and the temp against the plain step's.
+
+Second table: a U-Net whose encoder outputs are added to the decoder's (skip tensors carried by
+many activations, one buffer each in XLA): the plan counting them once (``ChainCosts.shared``)
+against the plan that counts them in every activation that carries them, at the same budgets.
+Writes ``benchmarks/results/remat_fn.md``.
 
     python benchmarks/remat_fn.py
 """
@@ -35,6 +39,60 @@ class LoopDecoder(nn.Module):
         for _ in range(BLOCKS):
             x = DecoderBlock(WIDTH, HEADS)(x)
         return LMHead(VOCAB)(x)
+
+
+class UNet(nn.Module):
+    """Four levels, two convolutions each, encoder outputs added after upsampling."""
+
+    @nn.compact
+    def __call__(self, x):
+        skips = []
+        for f in (16, 32, 64, 128):
+            x = nn.gelu(nn.Conv(f, (3, 3))(nn.gelu(nn.Conv(f, (3, 3))(x))))
+            skips.append(x)
+            x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+        x = nn.gelu(nn.Conv(128, (3, 3))(x))
+        for f, s in zip((128, 64, 32, 16), reversed(skips)):
+            x = jax.image.resize(nn.gelu(nn.Conv(f, (3, 3))(x)), s.shape, "nearest") + s
+            x = nn.gelu(nn.Conv(f, (3, 3))(x))
+        return nn.Conv(3, (1, 1))(x)
+
+
+def unet_rows() -> list[str]:
+    """The U-Net table: shared skips against skips counted in every activation."""
+    m = UNet()
+    x = jax.random.normal(jax.random.key(1), (8, 64, 64, 3))
+    v = m.init(jax.random.key(0), x)
+    loss = lambda v, x: jnp.mean((m.apply(v, x) - x) ** 2)  # noqa: E731
+    _, plain_temp = _compile(loss, v, x)
+    fn = jr.remat(loss, "50%", method="xla")
+    costs = fn.plan(v, x).schedule.costs
+    base = jr.simulate(costs, jr.solve(costs, None, algorithm="store_all").ops).time
+    lines = [
+        "",
+        f"## A U-Net ({costs.length} stages, {len(costs.shared)} skip tensors of "
+        f"{', '.join(jr.format_bytes(s.nbytes) for s in costs.shared)}), input 8 x 64 x 64 x 3",
+        "",
+        f"Plain step: XLA temp {jr.format_bytes(plain_temp)}. Bytes made from constants at the step's start "
+        f"(`held`): {jr.format_bytes(int(costs.held.sum()))}. Times are the plans' predictions over store-all.",
+        "",
+        "| budget | skips counted once: time | XLA temp | temp / plan | temp / plain | counted in every activation: time |",
+        "|---|---|---|---|---|---|",
+    ]
+    for budget in ("30%", "50%", "75%"):
+        f = fn.with_budget(budget)
+        sched = f.plan(v, x).schedule
+        _, temp = _compile(f, v, x)
+        try:
+            blind = f"{jr.solve(costs.without_shared(), sched.budget).time / base:.3f}x"
+        except jr.InfeasibleBudget as e:
+            blind = f"does not fit (least {jr.format_bytes(e.min_budget)})"
+        lines.append(
+            f"| {budget} | {sched.time / base:.3f}x | {jr.format_bytes(temp)} | {temp / sched.peak:.2f} | "
+            f"{temp / plain_temp:.2f} | {blind} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
 
 
 def _loss(apply):
@@ -85,6 +143,7 @@ def main() -> None:
             f"| {budget} | {fs:.1f} | {fs / ms:.2f}x | {jr.format_bytes(ft)} | {ft / fp.schedule.peak:.2f} | "
             f"{ft / plain_temp:.2f} | {ms:.1f} | {jr.format_bytes(mt)} | {mt / mp.schedule.peak:.2f} |"
         )
+    lines += unet_rows()
     out = Path(__file__).resolve().parent / "results" / "remat_fn.md"
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())

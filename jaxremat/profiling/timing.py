@@ -1,8 +1,8 @@
 """Wall-clock times a plan can trust: the programs of a stage timed in interleaved rounds.
 
 A busy machine drifts over seconds; timing one program after another puts the drift into their
-differences. Here every round calls each program once, in a new order, after a warm-up call of
-each, and the median over the rounds is kept. A backward measured far below what its flops say
+differences. Here every round calls each program (several times back to back when it is short),
+in a new order, after a warm-up call of each, and the median over the rounds is kept. A backward measured far below what its flops say
 next to its forward is timed again with more rounds (:func:`check_against_flops`).
 """
 
@@ -17,19 +17,40 @@ import numpy as np
 Program = tuple[Callable[..., Any], tuple]  # a compiled function and its arguments
 
 
+# Each program runs back to back within a round until the round's calls add up to this (at most
+# MAX_CALLS calls): a program of a fraction of a millisecond timed by one call measures the
+# dispatch and the scheduler's jitter more than itself (two profiles in a row disagreed by up to
+# 39% on such stages, a few percent on the others).
+ROUND_SECONDS = 5e-3
+MAX_CALLS = 100
+
+
+def _calls(fn: Callable[..., Any], args: tuple) -> int:
+    """Calls per round for ``fn``: enough to fill :data:`ROUND_SECONDS`, from one timed call."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    took = time.perf_counter() - t0
+    return int(min(MAX_CALLS, max(1, np.ceil(ROUND_SECONDS / max(took, 1e-9)))))
+
+
 def interleaved_medians(programs: dict[str, Program], rounds: int, seed: int = 0) -> dict[str, float]:
-    """The median wall time of each program over ``rounds`` interleaved rounds (seconds)."""
+    """The median over ``rounds`` interleaved rounds of each program's wall time per call
+    (seconds); within a round a short program runs several times back to back."""
     for fn, args in programs.values():  # warm up: first calls allocate and page in
         jax.block_until_ready(fn(*args))
     names = list(programs)
+    calls = {n: _calls(*programs[n]) for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     order = np.random.default_rng(seed)
     for _ in range(max(rounds, 1)):
         for j in order.permutation(len(names)):
             fn, args = programs[names[j]]
+            c = calls[names[j]]
             t0 = time.perf_counter()
+            for _ in range(c - 1):
+                fn(*args)
             jax.block_until_ready(fn(*args))
-            times[names[j]].append(time.perf_counter() - t0)
+            times[names[j]].append((time.perf_counter() - t0) / c)
     return {n: float(np.median(t)) for n, t in times.items()}
 
 
