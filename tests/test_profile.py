@@ -192,3 +192,15 @@ def test_xla_method_without_rates_measures_them_once(monkeypatch):
     assert measured == [1] and a == b  # the rates come from the cache the second time
     with pytest.raises(ValueError, match="method must be 'measure' or 'xla'"):
         profile(chain, v, x, method="guess")
+
+
+def test_short_programs_are_timed_over_several_calls_per_round():
+    """A program of microseconds runs back to back within a round, and its time is per call."""
+    from jaxremat.profiling import timing
+
+    tiny = jax.jit(lambda x: x + 1.0)
+    x = jnp.ones(8)
+    jax.block_until_ready(tiny(x))  # compiled: what the warm-up call does
+    assert timing._calls(tiny, (x,)) > 1
+    t = timing.interleaved_medians({"tiny": (tiny, (x,))}, rounds=3)["tiny"]
+    assert 0 < t < timing.ROUND_SECONDS
