@@ -131,6 +131,7 @@ def test_gradients_exact_and_memory_as_planned(name):
     ref_l, ref_g = jax.jit(jax.value_and_grad(loss))(*args)
     plain = _temp(jax.jit(jax.value_and_grad(loss)), args, jr.compiler_options())
     rl = jr.remat(loss, "50%", method="xla")
+    faster: list[bool] = []
     for budget in ("30%", "50%", "75%"):
         f = rl.with_budget(budget)
         step = jr.jit(jax.value_and_grad(f))
@@ -147,12 +148,14 @@ def test_gradients_exact_and_memory_as_planned(name):
             assert costs.held.sum() > 0  # the zeros the resizes' and poolings' gradients are scattered into
             try:  # planned as if each activation had its own copy: never faster
                 blind = jr.solve(costs.without_shared(), plan.schedule.budget)
-                assert plan.schedule.time <= blind.time and jr.simulate(costs, blind.ops).peak < blind.peak
+                assert plan.schedule.time <= blind.time and jr.simulate(costs, blind.ops).peak <= blind.peak
+                faster.append(plan.schedule.time < blind.time)
             except jr.InfeasibleBudget:
-                pass  # does not even fit that way
+                faster.append(True)  # does not even fit that way
         if budget == "50%":
             assert temp <= 0.6 * plain, (temp, plain)
     assert "stages cut by" in f.plan(*args).report()
+    assert name != "unet" or any(faster)  # counting the skips once pays at some budget
 
 
 def test_auto_says_how_it_cut():

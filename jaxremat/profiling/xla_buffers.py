@@ -113,7 +113,7 @@ def live_peak(folder: str) -> int:
     return max(_peak(seq, ranges, buffer_sizes(folder, ("temp", "output"))))
 
 
-def transient_beyond_inputs(folder: str, outputs: bool = False, reuse: bool = True) -> int:
+def transient_beyond_inputs(folder: str, outputs: bool = False, reuse: bool | Collection[int] = True) -> int:
     """Peak bytes of a program's temporaries beyond its inputs, crediting inputs freed early.
 
     Inputs count until their last use (in a training step their buffers are reusable after
@@ -123,7 +123,8 @@ def transient_beyond_inputs(folder: str, outputs: bool = False, reuse: bool = Tr
     result is that peak minus the total size of the inputs, floored at zero: the ``bwd_tmp`` of
     ``docs/cost_model.md`` for a backward compiled alone.
 
-    ``reuse=False`` leaves out the credit for an output written over a dying input.
+    ``reuse=False`` leaves out the credit for an output written over a dying input; a collection
+    of entry parameter numbers gives it to those inputs only.
     With ``outputs``, the output buffers count too, over their live ranges (XLA may hold
     intermediates in an output's buffer before the output is written); the caller subtracts the
     outputs the cost model counts by itself.
@@ -139,7 +140,8 @@ def transient_beyond_inputs(folder: str, outputs: bool = False, reuse: bool = Tr
         uses = value.uses if value else []
         last = max((position.get(u, 0) for u in uses), default=-1)
         user = values.get(seq[last]) if 0 <= last < len(seq) else None
-        if reuse and value and user and user.elementwise and user.shape == value.shape and seq[last] not in taken:
+        credited = reuse is True or (not isinstance(reuse, bool) and value is not None and value.parameter in reuse)
+        if credited and value and user and user.elementwise and user.shape == value.shape and seq[last] not in taken:
             taken.add(seq[last])
             last -= 1
         for t in range(0, last + 1):
@@ -298,7 +300,7 @@ def constant_made_bytes(folder: str, outputs: Collection[str] = ()) -> int:
 
 
 def transient_bytes(
-    fn: Callable, *args: Any, options: dict | None = None, outputs: bool = False, reuse: bool = True,
+    fn: Callable, *args: Any, options: dict | None = None, outputs: bool = False, reuse: bool | Collection[int] = True,
     constants: Collection[str] | None = None,
 ) -> tuple[Any, int] | tuple[Any, int, int]:
     """Compile ``fn`` and return (compiled, :func:`transient_beyond_inputs` of it); with
