@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxremat.core.ops import Op, OpKind
+from jaxremat.core.ops import Op
 from jaxremat.solvers._discretise import SlotChain, base_need, base_time, forward_thresholds, store_need
+from jaxremat.solvers._dp_jax import prepare
+from jaxremat.solvers._rebuild import rebuild_ops
 
 Table = dict[tuple[int, int], np.ndarray]
 
@@ -64,50 +66,15 @@ def reference_table(c: SlotChain) -> Table:
 
 def reference_ops(c: SlotChain, C: Table) -> list[Op] | None:
     """The op list of the table ``C`` (from :func:`reference_table`) at ``m = S`` for the whole
-    chain, ``None`` if it is infinite. Ties go as in :mod:`jaxremat.solvers._rebuild`: ``FB``,
-    then the lowest option, in the base case; store-all before a checkpoint."""
+    chain, ``None`` if it is infinite: the jitted table's walk
+    (:func:`~jaxremat.solvers._rebuild.rebuild_ops`) over ``C`` laid out as that table."""
     L, S = c.L, c.slots
     if not np.isfinite(C[(0, L)][S]):
         return None
-    x, xb, ft = c.x, c.xbar, c.fwd_tmp
-    ov = _overlap(c)
-    T = forward_thresholds(x, ft, L + 1, L + 1, c.ov)
-    need, time = base_need(c), base_time(c)
-    back, _ = store_need(c)
-    xd = c.xd
-    K = c.K
-    ops: list[Op] = []
-    stack: list = [(0, L, S)]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, Op):
-            ops.append(item)
-            continue
-        s, t, m = item
-        if s == t:
-            if s == L:
-                ops.append(Op(OpKind.LOSS, L))
-                continue
-            t_k = np.where(m >= need[:, s], time[:, s], np.inf)
-            k = K if t_k[K] == t_k.min() else int(np.argmin(t_k))
-            ops.extend([Op(OpKind.FB, s)] if k == K else [Op(OpKind.FALL, s, k), Op(OpKind.B, s)])
-            continue
-        want = C[(s, t)][m]
-        tol = 1e-12 * max(abs(want), 1.0)
-        found = None
-        for k in range(K):
-            if m >= xd[t + 1] + xb[k, s] + ft[s] and m >= back[k, s] and m >= xb[k, s]:
-                if c.fwd[s] + c.bwd[k, s] + C[(s + 1, t)][m - xb[k, s]] <= want + tol:
-                    found = [Op(OpKind.B, s), (s + 1, t, m - int(xb[k, s])), Op(OpKind.FALL, s, k)]
-                    break
-        for j in range(s + 1, t + 1) if found is None else ():
-            add = int(x[j] - ov[s, j])
-            if m >= xd[t + 1] + T[s, j - s - 1] and m >= add:
-                if c.fwd[s:j].sum() + C[(j, t)][m - add] + C[(s, j - 1)][m] <= want + tol:
-                    fwd = [Op(OpKind.FCK, s)] + [Op(OpKind.FN, i) for i in range(s + 1, j)]
-                    found = [(s, j - 1, m), (j, t, m - add)] + list(reversed(fwd))
-                    break
-        if found is None:
-            raise AssertionError(f"DP table has no option reaching its value at s={s}, t={t}, m={m}")
-        stack += found
-    return ops
+    args = prepare(c)
+    args["thr"] = forward_thresholds(c.x, c.fwd_tmp, *args["thr"].shape, c.ov)
+    args["ov"] = _overlap(c)
+    A = np.full((L + 1, L + 1, S + 1), np.inf)
+    for (s, t), v in C.items():
+        A[s, t - s] = v
+    return rebuild_ops(A, args)

@@ -37,13 +37,15 @@ def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray], root: tuple[int, int
     and emit the ops of the best option at every node.
 
     Options are evaluated with the same float32 arithmetic as the fill; any finite option is
-    feasible by construction, so the walk never dead-ends on a finite root.
+    feasible by construction, so the walk never dead-ends on a finite root. With ``args["ov"]``
+    (shared values, the numpy DP's table), a checkpoint ``a_j`` takes ``x[j] - ov[s, j]``.
     """
     L = int(args["L"])
     S = int(args["S"])
     x, xd, xbar, ftmp = args["x"], args["xd"], args["xbar"], args["fwd_tmp"]
     fb, thr, F = args["fb"], args["thr"], args["F"]
     K = xbar.shape[0]
+    ov = args.get("ov")
     back = x[None, : L + 1] + x[None, 1 : L + 2] + xbar[:, : L + 1] + args["bwd_tmp"][:, : L + 1]
     ops: list[Op] = []
     stack: list[_Node | Op] = [_Node(0, L, S) if root is None else _Node(*root)]
@@ -69,22 +71,23 @@ def rebuild_ops(A: np.ndarray, args: dict[str, np.ndarray], root: tuple[int, int
                     best, choice = v, ("store", k)
         q = np.arange(d)
         j = s + q + 1
-        ok = (m >= x[j]) & (m >= xd[t + 1] + thr[s, :d])
+        add = x[j] - (0 if ov is None else ov[s, j])  # what keeping a_j adds to the live a_s
+        ok = (m >= add) & (m >= xd[t + 1] + thr[s, :d])
         if ok.any():
-            q, j = q[ok], j[ok]
-            v = (A[s, q, m] + A[j, t - j, m - x[j]]) + F[s, q]
+            q, j, add = q[ok], j[ok], add[ok]
+            v = (A[s, q, m] + A[j, t - j, m - add]) + F[s, q]
             i = int(np.argmin(v))  # first (shortest left segment) among equals
             # a split must win by more than float32 rounding: on ties, store (no recomputation)
             if v[i] < (best - TIE * abs(best) if np.isfinite(best) else best):
-                best, choice = v[i], ("ck", int(j[i]))
+                best, choice = v[i], ("ck", int(j[i]), int(add[i]))
         if choice is None:
             raise AssertionError(f"DP table has no finite option at s={s}, t={t}, m={m}")
         if choice[0] == "store":
             k = choice[1]
             stack += [Op(OpKind.B, s), _Node(s + 1, t, m - int(xbar[k, s])), Op(OpKind.FALL, s, k)]
         else:
-            j = choice[1]
+            _, j, add_j = choice
             fwd = [Op(OpKind.FCK, s)] + [Op(OpKind.FN, i) for i in range(s + 1, j)]
-            stack += [_Node(s, j - 1, m), _Node(j, t, m - int(x[j]))]
+            stack += [_Node(s, j - 1, m), _Node(j, t, m - add_j)]
             stack += list(reversed(fwd))
     return ops
