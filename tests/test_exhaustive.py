@@ -139,3 +139,19 @@ def test_persistent_search_matches_the_dp_without_shared_values():
         for budget in sorted({lo, (lo + hi) // 2, hi}):
             opt = jr.solve(costs, budget, slots=max(budget - int(costs.x[0]), 1))
             assert math.isclose(opt.time, exhaustive_best_time(costs, budget, persistent=True)), (trial, budget)
+
+
+def test_min_budget_is_exact_with_shared_values_and_held_bytes():
+    """``min_budget`` is the least budget ``solve`` takes, and the error below it names it."""
+    rng = np.random.default_rng(1)
+    for trial in range(30):
+        costs = _shared_chain(rng)
+        for slots in (500, 50, 3):
+            least = jr.min_budget(costs, slots=slots)
+            assert jr.solve(costs, least, slots=slots).peak <= least
+            try:
+                jr.solve(costs, least - 1, slots=slots)
+            except jr.InfeasibleBudget as e:
+                assert e.min_budget == least, (trial, slots)
+            else:
+                raise AssertionError(f"chain {trial}, {slots} slots: solved below min_budget")

@@ -139,7 +139,8 @@ def base_time(c: SlotChain) -> np.ndarray:
 
 def store_need(c: SlotChain) -> tuple[np.ndarray, np.ndarray]:
     """For the store-all branch of ``(s, t)`` with option ``k``: ``(K, L+1)`` memory the
-    backward ``B s`` needs (``x[s] + x[s+1] + xbar + bwd_tmp``), and the forward's need beyond
+    backward ``B s`` needs (``x[s] + x[s+1] + xbar + bwd_tmp``, and what is held then: ``P[s]``),
+    and the forward's need beyond
     ``x[t+1]`` (``xbar + fwd_tmp``)."""
     s = np.arange(c.L + 1)
     return c.x[s] + c.x[s + 1] + c.xbar + c.bwd_tmp + c.held[s], c.xbar + c.fwd_tmp

@@ -45,9 +45,11 @@ def dp_min_budget(costs: ChainCosts, slots: int) -> int | None:
     b = extend(costs)
     # each positive size rounds to 1 slot at best; an option a stage lacks never fits
     ones = lambda v: np.where(v >= ABSENT, slots + 1, np.minimum(v, 1))  # noqa: E731
+    # (what a_q adds beyond its overlap, x[q] - ov[p, q], at best 1 slot too)
+    ov = None if b.ov is None else np.maximum(ones(b.x)[None, :] - ones(b.x[None, :] - b.ov), 0)
     limit = dataclasses.replace(
-        b, slots=slots, ov=None, x=ones(b.x), xbar=ones(b.xbar), fwd_tmp=ones(b.fwd_tmp), bwd_tmp=ones(b.bwd_tmp),
-        fb_tmp=ones(b.fb_tmp),
+        b, slots=slots, x=ones(b.x), xbar=ones(b.xbar), fwd_tmp=ones(b.fwd_tmp), bwd_tmp=ones(b.bwd_tmp),
+        fb_tmp=ones(b.fb_tmp), ov=ov, P=None if b.P is None else ones(b.P),
     )
     if least_memory(limit) > slots:
         return None
