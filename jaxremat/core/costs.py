@@ -192,7 +192,7 @@ class ChainCosts:
 
     def new_shared_bytes(self, i: int) -> int:
         """Bytes of the shared values stage ``i`` makes (part of ``a_{i+1}``, not of ``a_i``)."""
-        return sum(v.nbytes for v in self.shared if v.first == i + 1)
+        return int(self.overlap[i + 1, i + 1] - self.overlap[i, i + 1])
 
     @functools.cached_property
     def overlap(self) -> np.ndarray:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+
 @dataclass(frozen=True)
 class Shared:
     """One value that is part of several activations: ``a_first .. a_last`` (``docs/cost_model.md``,
@@ -54,19 +55,19 @@ def check_shared(value: Any, x: np.ndarray) -> tuple[Shared, ...]:
         raise ValueError(f"ChainCosts.shared must be a sequence of Shared(first, last, nbytes), got {value!r}") from None
     L = len(x) - 1
     out = tuple(Shared.of(v, f"ChainCosts.shared[{n}]") for n, v in enumerate(items))
-    held = np.zeros(L + 1, np.int64)
+    per_activation = np.zeros(L + 1, np.int64)
     for n, v in enumerate(out):
         if not 1 <= v.first < v.last <= L:
             raise ValueError(
                 f"ChainCosts.shared[{n}] spans a_{v.first} .. a_{v.last}; a shared value spans at least two "
                 f"activations among a_1 .. a_{L} (1 <= first < last <= L)"
             )
-        held[v.first : v.last + 1] += v.nbytes
-    over = np.flatnonzero(held > x)
+        per_activation[v.first : v.last + 1] += v.nbytes
+    over = np.flatnonzero(per_activation > x)
     if len(over):
         k = int(over[0])
         raise ValueError(
-            f"ChainCosts.shared: the values shared by a_{k} add up to {held[k]} bytes, more than x[{k}] = {x[k]} "
+            f"ChainCosts.shared: the values shared by a_{k} add up to {per_activation[k]} bytes, more than x[{k}] = {x[k]} "
             "(x counts every value of the activation, shared ones included)"
         )
     return out

@@ -119,19 +119,15 @@ class Machine:
         if not c.shared:
             return (), int(c.x[i]) if kind == "a" else xbar
         if kind == "a":
-            pieces = c.shared_pieces[i]
-            return pieces, int(c.x[i]) - sum(c.shared[n].nbytes for n in pieces)
+            return c.shared_pieces[i], int(c.x[i] - c.overlap[i, i])
         return c.shared_pieces[i + 1], xbar - c.new_shared_bytes(i)
 
-    def _gain(self, key: Key, xbar: int = 0) -> int:
-        """Bytes that making ``key`` adds: its own, and its shared values not yet live."""
-        pieces, own = self._own(key, xbar)
-        return own + sum(self.costs.shared[n].nbytes for n in pieces if not self.refs.get(n))
-
     def _hold(self, key: Key, xbar: int = 0) -> int:
-        """Make ``key`` live; return the bytes added."""
-        added = self._gain(key, xbar)
-        for n in self._own(key, xbar)[0]:
+        """Make ``key`` live; return the bytes added: its own, and its shared values not yet live."""
+        pieces, added = self._own(key, xbar)
+        for n in pieces:
+            if not self.refs.get(n):
+                added += self.costs.shared[n].nbytes
             self.refs[n] = self.refs.get(n, 0) + 1
         return added
 
