@@ -3,6 +3,8 @@ holds exactly the planned transfers; lowered for a GPU, XLA is handed them."""
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,13 @@ from conftest import Noisy, plain_forward
 from jaxremat import profile
 from jaxremat.model.chain import Chain
 from jaxremat.profiling import Rates
+from jaxremat.core.compile import as_planned
+from jaxremat.core.loops import REGION, STORE, Part
+from jaxremat.core.ops import Op, OpKind
+from jaxremat.core.tree import to_ops
 from jaxremat.run.executor import execute
+from jaxremat.run.offload_loop import CopyKind, offload_scan
+from jaxremat.solvers.periodic import periodic_tree
 
 
 class Wide(nn.Module):
@@ -73,16 +81,18 @@ def test_gradients_dropout_and_batch_stats_are_exact(noisy):
     assert kinds == {"a", "abar"}, kinds  # both kinds of buffer were exercised
 
 
-def _transfers(jaxpr) -> list[tuple[str, int]]:
-    """(destination, bytes) of every ``device_put`` in a jaxpr, sub-jaxprs included, in order."""
+def _transfers(jaxpr, per_iteration: bool = False) -> list[tuple[str, int]]:
+    """(destination, bytes) of every ``device_put`` in a jaxpr, sub-jaxprs included, in order;
+    one inside a ``scan`` counted once per iteration (once with ``per_iteration``: the sites)."""
     out = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "device_put":
             dest = {str(d) for d in eqn.params["devices"]}
             nbytes = sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in eqn.invars)
             out.append(("host" if any("Host" in d for d in dest) else "device", nbytes))
+        times = 1 if per_iteration or eqn.primitive.name != "scan" else int(eqn.params["length"])
         for sub in _subs(eqn):
-            out += _transfers(sub)
+            out += _transfers(sub, per_iteration) * times
     return out
 
 
@@ -164,17 +174,147 @@ def test_remat_chain_plans_offload_and_says_what_the_cpu_cannot_measure(tmp_path
     assert (loaded.schedule.time, loaded.schedule.host_peak) == (p.schedule.time, p.schedule.host_peak)
 
 
-def test_a_repeat_layer_with_offloads_runs_unrolled_and_says_so():
+def _stacked_gpt():
     from jaxremat.tools.models import gpt, sample_input
 
-    m = gpt(blocks=4, width=32, heads=2, vocab=64, stacked=True)
-    x = sample_input((2, 16), "int32", high=64)
+    return gpt(blocks=4, width=32, heads=2, vocab=64, stacked=True), sample_input((2, 16), "int32", high=64)
+
+
+def test_a_repeat_layer_with_offloads_runs_as_loops():
+    m, x = _stacked_gpt()
     model = jr.remat_chain("40%", algorithm="optimal_offload", bandwidth=1e12, method="xla")(m)
     v = model.init(jax.random.key(0), x)
     sched = jr.plan(model, v, x).schedule
     assert any(1 <= op.stage <= 4 for op in sched.offloads)  # something of the Repeat's copies moves
-    with pytest.warns(UserWarning, match="loops do not offload yet"):
-        grads = jr.jit(jax.grad(lambda v: jnp.mean(model.apply(v, x) ** 2)))(v)
+    step = jax.grad(lambda v: jnp.mean(model.apply(v, x) ** 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs unrolled" warning
+        grads = jr.jit(step)(v)
+        assert " scan[" in str(jax.make_jaxpr(as_planned(step))(v))
     ref = jax.grad(lambda v: jnp.mean(m.apply(v, x) ** 2))(v)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_repeat_whose_copies_are_not_each_alone_runs_unrolled_and_says_so():
+    """Offloads with a region over two copies: no loop runs that, so the layer is unrolled."""
+    _, chain, v, x = _noisy_repeat(4)
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    L = len(chain)
+    ops = _with_transfers(to_ops(periodic_tree(L, [(1, 4)], {1: (STORE, Part("region", 2), STORE)}), L), [(1, "abar")])
+    f = execute(chain, jr.Schedule.from_ops(costs, ops, budget=None, algorithm="by hand", bandwidth=1e12))
+    rngs = {"dropout": jax.random.key(7)}
+    with pytest.warns(UserWarning, match="does not store or checkpoint each of its copies alone"):
+        got = jr.jit(lambda v, x: _rgrads(f, v, x, rngs))(v, x)
+    ref = jax.jit(lambda v, x: _rgrads(plain_forward(chain), v, x, rngs))(v, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# -- a Repeat layer's offload loops --------------------------------------------------------------------
+
+
+def _rgrads(f, v, x, rngs):
+    def loss(p):
+        out, up = f({**v, "params": p}, x, rngs)
+        return jnp.mean(out**2), (out, up)
+
+    return jax.value_and_grad(loss, has_aux=True)(v["params"])
+
+
+def _noisy_repeat(n: int):
+    model = nn.Sequential([nn.Dense(16), jr.Repeat(Noisy(), n), nn.Dense(3)])
+    chain = Chain.from_linen(model, mutable=("batch_stats",), rng_streams=("dropout",))
+    x = jax.random.normal(jax.random.key(1), (8, 5))
+    v = model.init({"params": jax.random.key(0), "dropout": jax.random.key(3)}, x)
+    return model, chain, v, x
+
+
+def _with_transfers(ops, moves):
+    """``ops`` with ``Offload`` right after the forward op of each ``(stage, buffer)`` and
+    ``Prefetch`` right before the first backward op that reads it."""
+    ops = list(ops)
+    for i, buf in moves:
+        loss = next(n for n, o in enumerate(ops) if o.kind is OpKind.LOSS)
+        n = next(n for n, o in enumerate(ops[:loss]) if o.stage == i and o.kind in (OpKind.FALL, OpKind.FCK))
+        ops.insert(n + 1, Op(OpKind.OFFLOAD, i, buf))
+        readers = (i, i + 1) if buf == "abar" else (i,)  # a stored stage's bundle holds the next one's input
+        m = next(m for m in range(loss + 2, len(ops)) if ops[m].stage in readers and ops[m].kind is not OpKind.PREFETCH)
+        ops.insert(m, Op(OpKind.PREFETCH, i, buf))
+    return ops
+
+
+# copies 1..8 stored, checkpointed alone, stored under dots_saveable; bundles and inputs moved,
+# in runs of alike copies (seven segments) and in a run of two (copies 1 and 2)
+COPIES = (STORE, STORE, REGION, REGION, Part("store", 1, 1), STORE, REGION, STORE)
+MOVES = [(1, "abar"), (2, "abar"), (4, "a"), (5, "a"), (5, "abar"), (6, "abar"), (8, "a")]
+
+
+@pytest.fixture(scope="module")
+def repeat_offloads():
+    _, chain, v, x = _noisy_repeat(8)
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    assert all(costs.options[i] for i in range(1, 9)), "the copies need a store option"
+    L = len(chain)
+    ops = _with_transfers(to_ops(periodic_tree(L, [(1, 8)], {1: COPIES}), L), MOVES)
+    s = jr.Schedule.from_ops(costs, ops, budget=None, algorithm="by hand", bandwidth=1e12)
+    return chain, v, x, costs, s
+
+
+def test_offload_loops_are_exact_with_dropout_and_batch_stats(repeat_offloads):
+    chain, v, x, costs, s = repeat_offloads
+    rngs = {"dropout": jax.random.key(7)}
+    f = execute(chain, s)
+    step = lambda v, x: _rgrads(f, v, x, rngs)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # runs as loops: no "runs unrolled" warning
+        jaxpr = str(jax.make_jaxpr(as_planned(step))(v, x))
+    assert jaxpr.count(" scan[") == 2 * 7  # a forward and a backward loop per segment
+    (loss, (out, upd)), got = jr.jit(step)(v, x)
+    (rl, (ro, ru)), ref = jax.jit(lambda v, x: _rgrads(plain_forward(chain), v, x, rngs))(v, x)
+    np.testing.assert_allclose(loss, rl, rtol=1e-6)
+    np.testing.assert_allclose(out, ro, rtol=1e-6, atol=1e-7)  # the same dropout masks
+    assert sorted(upd) == sorted(ru)  # batch_stats updated once per copy
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), (upd, got), (ru, ref))
+
+
+def test_an_offload_loop_only_moves_its_buffers():
+    """The same copies with and without their buffers in host memory: bit for bit."""
+    _, chain, v, x = _noisy_repeat(6)
+    stacked = chain.layer_variables(v)[1]
+    stage = chain.stages[1]
+    step_for = lambda option: lambda p, keys, a, u: stage.apply(  # noqa: E731
+        {c: t["body"] for c, t in p.items()}, a, jax.random.fold_in(keys, u))
+    moved = (CopyKind(True, 0, False, True), CopyKind(True, 0, False, True), CopyKind(False, 0, True),
+             CopyKind(True, 0, True, False), CopyKind(False, 0, False), CopyKind(True, 0, True, True))
+    kept = tuple(CopyKind(k.stored) for k in moved)
+    a0 = jax.random.normal(jax.random.key(2), (8, 16))
+
+    def loss(stacked, a, kinds):
+        out, updates = offload_scan(step_for, kinds, stacked, a, jax.random.key(5))
+        return jnp.sum(out**2), updates
+
+    got = jr.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(stacked, a0, moved)
+    ref = jr.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(stacked, a0, kept)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@TRACED
+def test_an_offload_loop_holds_exactly_the_planned_transfers(repeat_offloads):
+    chain, v, x, costs, s = repeat_offloads
+    rngs = {"dropout": jax.random.key(7)}
+    step = lambda v, x: _rgrads(execute(chain, s), v, x, rngs)  # noqa: E731
+    moves = _transfers(jax.make_jaxpr(step)(v, x).jaxpr)  # a transfer in a loop, once per iteration
+    to_host = [b for d, b in moves if d == "host"]
+    to_device = [b for d, b in moves if d == "device"]
+    assert len(to_host) == len(s.offloads) == len(MOVES) and len(to_device) == len(MOVES)
+    assert sorted(to_host) == sorted(to_device)
+    assert sorted(b for b in to_host if b == int(costs.x[1])) == [int(costs.x[i]) for i, buf in MOVES if buf == "a"]
+    # lowered for a GPU, XLA is handed each transfer site of the loops
+    sites = _transfers(jax.make_jaxpr(step)(v, x).jaxpr, per_iteration=True)
+    text = jax.jit(step).trace(v, x).lower(lowering_platforms=("cuda",)).as_text()
+    leaves_host = text.count('_xla_buffer_placement = "pinned_host"')
+    host_sites = [d for d, _ in sites if d == "host"]
+    assert 0 < len(host_sites) < len(to_host) and leaves_host >= len(host_sites)
+    assert leaves_host == text.count('_xla_buffer_placement = "device"')

@@ -11,6 +11,7 @@ from jax import lax
 
 from jaxremat.model.stage import Stage, stage_rngs
 from jaxremat.run._variables import Env
+from jaxremat.run.offload_loop import CopyKind, offload_scan
 from jaxremat.run.selective import selective_scan
 
 _CUTS = frozenset({lax.slice_p, lax.squeeze_p, lax.reshape_p, lax.split_p, lax.dynamic_slice_p})
@@ -76,4 +77,27 @@ def run_selective(stage: Stage, first: int, stored: tuple[bool, ...], a: Any, up
     return a
 
 
-__all__ = ["run_selective", "scan_units", "scatter_updates"]
+def run_offload_loop(
+    stage: Stage, first: int, kinds: tuple[CopyKind, ...], a: Any, updates: dict, stacked: Any, rngs: Any,
+    policies: dict[tuple[int, int], Any],
+) -> Any:
+    """A Repeat's copies (stage ``first`` onwards), stored or checkpointed one by one with some
+    buffers in host memory, as one :func:`~jaxremat.run.offload_loop.offload_scan`;
+    ``policies[(stage, option)]`` is the checkpoint policy of a store option."""
+    by_option = {k.option: policies[(first + u, k.option)] for u, k in enumerate(kinds) if k.option}
+
+    def step_for(option: int) -> Callable:
+        apply = jax.checkpoint(stage.apply, policy=by_option[option]) if option else stage.apply
+
+        def step(p: Any, keys: Any, a: Any, u: jax.Array) -> tuple[Any, Any]:
+            return apply(p, a, stage_rngs(keys, first + u))
+
+        return step
+
+    a, ys = offload_scan(step_for, kinds, stacked, a, rngs)
+    if jax.tree.leaves(ys):
+        scatter_updates(updates, {first: ys}, 1, len(kinds))
+    return a
+
+
+__all__ = ["run_offload_loop", "run_selective", "scan_units", "scatter_updates"]

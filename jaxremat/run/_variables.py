@@ -63,7 +63,7 @@ def cut_variables(chain: Chain, variables: Any, plan: LoopPlan) -> Cut:
             continue
         loop = plan.loops.get(g.start)
         if loop is not None:  # a reshape: no copy
-            n, p = (loop.repeats, loop.period) if isinstance(loop, PatternLoop) else (len(loop.stored), 1)
+            n, p = (loop.repeats, loop.period) if isinstance(loop, PatternLoop) else (loop.length, 1)
             shape = (n,) if p == 1 else (n, p)
             pieces[g.start] = {col: jax.tree.map(lambda t: t.reshape(*shape, *t.shape[1:]), tree[BODY]) for col, tree in v.items()}
             continue

@@ -16,9 +16,9 @@ from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs, stage_rngs
 from jaxremat.run._offload import offloaded_stage
 from jaxremat.run._regions import tied_checkpoint
-from jaxremat.run._scans import run_selective, scan_units
+from jaxremat.run._scans import run_offload_loop, run_selective, scan_units
 from jaxremat.run._variables import Cut, Env, unstack
-from jaxremat.run.loop_plan import Alike, LoopPlan, PatternLoop, SelectiveLoop, Stretch
+from jaxremat.run.loop_plan import Alike, LoopPlan, OffloadLoop, PatternLoop, SelectiveLoop, Stretch
 
 
 class Walker:
@@ -105,6 +105,10 @@ class Walker:
                 warn_unless_planned(stacklevel=5)
                 a = run_selective(self.chain.stages[seg.start], seg.start, seg.stored, a, updates,
                                   self.cut.pieces[seg.start], self.rngs)
+            elif isinstance(seg, OffloadLoop):
+                warn_unless_planned(stacklevel=5)
+                a = run_offload_loop(self.chain.stages[seg.start], seg.start, seg.kinds, a, updates,
+                                     self.cut.pieces[seg.start], self.rngs, self.policies)
             elif isinstance(seg, PatternLoop):
                 a = self.pattern_loop(seg, a, updates)
             else:

@@ -26,7 +26,8 @@ from jaxremat.run.loop_plan import Alike, plan_loops
 
 def _warn_copies(layer: int, offloads: bool = False) -> None:
     why = (
-        f"the schedule offloads buffers of Repeat layer {layer} and loops do not offload yet, so it runs unrolled"
+        f"the schedule offloads buffers of Repeat layer {layer} but does not store or checkpoint each of its "
+        "copies alone, which a loop that offloads needs, so it runs unrolled"
         if offloads else f"the schedule does not repeat one pattern over Repeat layer {layer}"
     )
     warnings.warn(
@@ -51,7 +52,9 @@ def execute(
     Offloaded buffers (``Offload`` / ``Prefetch`` ops of ``"optimal_offload"``) are moved with
     ``jax.device_put`` to ``jax.memory.Space.Host`` in the forward pass and back before the
     backward reads them (:mod:`~jaxremat.run._offload`): a region's saved input, a stored stage's
-    residuals. A Repeat layer with an offloaded buffer runs unrolled, not as a loop.
+    residuals. A Repeat layer with an offloaded buffer runs as loops over runs of alike copies
+    (:mod:`~jaxremat.run.offload_loop`) when each copy is stored or checkpointed alone, and
+    unrolled otherwise (a warning says so).
 
     Runs of alike units (same structure over stages with the same identity) run as one
     ``lax.scan``, so that tracing and compiling stay flat with depth:

@@ -2,7 +2,8 @@
 
 The top-level units of a schedule (stored stages and checkpoint regions) are cut into
 *segments*: each :class:`~jaxremat.Repeat` layer that runs as one loop (a :class:`PatternLoop`
-or a :class:`SelectiveLoop`, by the rules of :mod:`jaxremat.core.loops`), and the stretches of
+or a :class:`SelectiveLoop`, by the rules of :mod:`jaxremat.core.loops`; an
+:class:`OffloadLoop` where the schedule moves some of its buffers to host memory), and the stretches of
 units between them (a :class:`Stretch`). Inside a stretch, runs of alike units over a Repeat's
 stacked variables (:class:`StackedRun`) still run as a scan, over slices that XLA copies.
 """
@@ -16,6 +17,7 @@ from jaxremat.core.loops import runs_selective
 from jaxremat.core.tree import RegionUnit, StoreUnit, Unit, offloads_in, shape
 from jaxremat.model.chain import Chain
 from jaxremat.model.identity import stage_identity
+from jaxremat.run.offload_loop import CopyKind
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,26 @@ class SelectiveLoop:
     start: int
     stored: tuple[bool, ...]
 
+    @property
+    def length(self) -> int:
+        return len(self.stored)
 
-Loop = PatternLoop | SelectiveLoop
+
+@dataclass(frozen=True)
+class OffloadLoop:
+    """A Repeat layer whose copies are each stored or checkpointed alone and some of whose
+    buffers the schedule keeps in host memory: loops over runs of alike copies
+    (:func:`~jaxremat.run.offload_loop.offload_scan`)."""
+
+    start: int
+    kinds: tuple[CopyKind, ...]
+
+    @property
+    def length(self) -> int:
+        return len(self.kinds)
+
+
+Loop = PatternLoop | SelectiveLoop | OffloadLoop
 
 
 @dataclass(frozen=True)
@@ -115,6 +135,21 @@ def selective_flags(units: Sequence[Unit], start: int, stop: int) -> tuple[bool,
     return flags if runs_selective(flags) else None
 
 
+def offload_kinds(
+    units: Sequence[Unit], start: int, stop: int, offloaded: frozenset[tuple[str, int]]
+) -> tuple[CopyKind, ...] | None:
+    """Per stage of ``start .. stop-1``, how it runs in an :class:`OffloadLoop`, when the units
+    covering them are each one stage (stored under any option, or checkpointed alone); else ``None``."""
+    inside = _inside(units, start, stop)
+    if len(inside) != stop - start or any((u.start, u.stop) != (start + q, start + q + 1) for q, u in enumerate(inside)):
+        return None
+    return tuple(
+        CopyKind(True, u.option, ("a", u.start) in offloaded, ("abar", u.start) in offloaded)
+        if isinstance(u, StoreUnit) else CopyKind(False, 0, ("a", u.start) in offloaded)
+        for u in inside
+    )
+
+
 def find_pattern(units: Sequence[Unit], start: int, stop: int, alike: Alike) -> PatternLoop | None:
     """The loop when the units covering stages ``start .. stop-1`` repeat ``m`` alike units over
     ``p`` stages; ``None`` when they do not (or straddle the ends), or when a pattern of more than
@@ -140,15 +175,20 @@ def plan_loops(
     offloaded: frozenset[tuple[str, int]] = frozenset(),
 ) -> LoopPlan:
     """The :class:`LoopPlan` of a schedule's top-level ``units`` on ``chain`` (variable ``shapes``
-    per stage). ``scan=False`` runs everything unrolled (no loops). A Repeat layer any of whose
-    buffers the schedule ``offloaded`` runs unrolled too (no loop moves buffers to host memory)."""
+    per stage). ``scan=False`` runs everything unrolled (no loops). A Repeat layer some of whose
+    buffers the schedule ``offloaded`` runs as an :class:`OffloadLoop` when each of its copies is
+    stored or checkpointed alone, and unrolled otherwise (no pattern loop moves buffers)."""
     alike = alike or Alike(chain, shapes)
     loops: dict[int, Loop] = {}
     sliced: list[int] = []
     if scan is not False:
         for g in chain.stacked:
             if offloads_in(offloaded, g.start, g.start + g.length):
-                sliced.append(g.layer)
+                kinds = offload_kinds(units, g.start, g.start + g.length, offloaded)
+                if kinds is None:
+                    sliced.append(g.layer)
+                else:
+                    loops[g.start] = OffloadLoop(g.start, kinds)
                 continue
             flags = selective_flags(units, g.start, g.start + g.length)
             found = SelectiveLoop(g.start, flags) if flags is not None else find_pattern(units, g.start, g.start + g.length, alike)
@@ -169,7 +209,7 @@ def plan_loops(
             segments.append(Stretch(tuple(stretch)))
             stretch = []
         segments.append(loop)
-        i += len(loop.stored) if isinstance(loop, SelectiveLoop) else len(loop.pattern) * loop.repeats
+        i += len(loop.pattern) * loop.repeats if isinstance(loop, PatternLoop) else loop.length
     if stretch:
         segments.append(Stretch(tuple(stretch)))
     runs: dict[int, StackedRun] = {}
@@ -187,6 +227,6 @@ def plan_loops(
 
 
 __all__ = [
-    "Alike", "Loop", "LoopPlan", "PatternLoop", "SelectiveLoop", "StackedRun", "Stretch", "find_pattern", "plan_loops",
+    "Alike", "Loop", "LoopPlan", "OffloadLoop", "PatternLoop", "SelectiveLoop", "StackedRun", "Stretch", "find_pattern", "offload_kinds", "plan_loops",
     "selective_flags",
 ]

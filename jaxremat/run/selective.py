@@ -18,6 +18,7 @@ they are taken from the stacked parameters and the saved inputs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -73,7 +74,11 @@ class _Linearised:
     run: Callable  # (p, keys, a, u) -> (out, updates, stored residuals)
     pull_tree: Any
     kinds: tuple
-    layout: "_Layout"
+    shapes: tuple  # of the stored residuals
+
+    @functools.cached_property
+    def layout(self) -> "_Layout":
+        return _Layout(self.shapes)
 
     @classmethod
     def trace(cls, step: Step, p: Any, keys: Any, a: Any) -> "_Linearised":
@@ -84,7 +89,7 @@ class _Linearised:
             return out, updates, stored
 
         replay, shapes = _replay(run, p, keys, a, jnp.int32(0))
-        return cls(replay, found["tree"], found["kinds"], _Layout(shapes[2]))
+        return cls(replay, found["tree"], found["kinds"], tuple(shapes[2]))
 
     def pullback(self, stored: Sequence[jax.Array], p: Any, a: Any) -> Callable:
         ins, got = jax.tree.leaves((p, a)), iter(stored)
@@ -164,14 +169,14 @@ class _Layout:
     """
 
     def __init__(self, shapes: Sequence[Any]):
-        self.shapes = [(tuple(s.shape), jnp.dtype(s.dtype)) for s in shapes]
-        for shape, dtype in self.shapes:
-            if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        for s in shapes:
+            if jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended):
                 raise NotImplementedError(
-                    f"jaxremat: a stage keeps a residual of dtype {dtype} (e.g. a PRNG key) for its backward pass; "
+                    f"jaxremat: a stage keeps a residual of dtype {s.dtype} (e.g. a PRNG key) for its backward pass; "
                     "a Repeat whose copies are stored or recomputed one by one cannot keep such residuals yet. "
                     "Derive random bits inside the stage from its rngs instead, or plan with max_period > 1."
                 )
+        self.shapes = [(tuple(s.shape), jnp.dtype(s.dtype)) for s in shapes]
         self.dtypes = list(dict.fromkeys(d for _, d in self.shapes))
         self.buffers = [(d, sum(int(np.prod(s)) for s, dd in self.shapes if dd == d)) for d in self.dtypes]
 

@@ -1,0 +1,199 @@
+"""A Repeat's copies run as loops when the schedule moves some of their buffers to host memory.
+
+The selective loop (:mod:`jaxremat.run.selective`) keeps one residual buffer that every copy
+writes into, a checkpointed copy's write masked. A buffer in host memory cannot be written that
+way: a masked write reads the row back, and on a GPU XLA's host-offload passes only move
+whole, unconditional writes. So a Repeat whose schedule offloads something runs as
+:func:`offload_scan`: its copies, each stored alone (under any store option) or checkpointed
+alone, are cut into *segments* of consecutive copies treated alike (:class:`CopyKind`: stored
+under the same option or checkpointed, input and bundle in the same memory), and each segment
+is one forward ``lax.scan`` and one backward ``lax.scan``. Inside a segment every iteration
+does the same thing, so the transfers are plain scan outputs and inputs: the forward writes
+each copy's input ``a_i`` and bundle ``abar_i`` as a row of a scan output, moved to
+``jax.memory.Space.Host`` when the schedule offloads it (the pattern XLA offloads scan
+residuals by), and the backward reads the row back with ``Space.Device`` before its pullback.
+
+The segments index the Repeat's stacked variables by the copy's position (no slice, so no copy
+of the parameters), and the backward accumulates the stacked gradient in one carried buffer,
+each iteration writing its copy's row. One block body is compiled per segment, forward and
+backward; schedules from ``"optimal_offload"`` usually make a few segments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxremat.run._offload import to_device, to_host
+from jaxremat.run.selective import _fill, _inexact, _Linearised, _replay
+
+Step = Callable[[Any, Any, Any, jax.Array], tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
+class CopyKind:
+    """How one copy runs: ``stored`` under store option ``option`` (its residuals kept, those of
+    the option's checkpoint policy) or checkpointed (``stored=False``: only its input kept, the
+    copy recomputed in the backward pass); ``host_input`` / ``host_bundle``: its input ``a_i`` /
+    its bundle ``abar_i`` kept in host memory."""
+
+    stored: bool
+    option: int = 0
+    host_input: bool = False
+    host_bundle: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.stored and (self.option or self.host_bundle):
+            raise ValueError(f"{self}: a checkpointed copy has no store option and no bundle to offload")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Copies ``lo .. hi - 1`` of the loop, all of kind ``kind``."""
+
+    lo: int
+    hi: int
+    kind: CopyKind
+
+
+def segments(kinds: Sequence[CopyKind]) -> tuple[Segment, ...]:
+    """``kinds`` cut into maximal runs of equal kinds."""
+    out: list[Segment] = []
+    for u, kind in enumerate(kinds):
+        if out and out[-1].kind == kind:
+            out[-1] = Segment(out[-1].lo, u + 1, kind)
+        else:
+            out.append(Segment(u, u + 1, kind))
+    return tuple(out)
+
+
+class _Rows:
+    """A copy's residuals as the arrays a scan stacks and moves, PRNG keys (a dropout's) as their
+    key data, rewrapped on the way back.
+
+    Not packed into one flat array per dtype as the selective loop's buffer is: a packed row is
+    a concatenate that XLA does not write in place into the scan's output, one more copy of the
+    residuals per segment (6 of 27 MiB on an 8-block GPT whose copies were all stored)."""
+
+    def __init__(self, shapes: Sequence[Any]):
+        self.keyed = [jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended) for s in shapes]
+        self.impls: dict[int, Any] = {}  # filled when the forward pass is traced, read by the backward
+
+    def encode(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
+        data = []
+        for j, (leaf, keyed) in enumerate(zip(leaves, self.keyed)):
+            if keyed:
+                self.impls[j] = jax.random.key_impl(leaf)
+                leaf = jax.random.key_data(leaf)
+            data.append(leaf)
+        return data
+
+    def decode(self, data: Sequence[jax.Array]) -> list[jax.Array]:
+        return [jax.random.wrap_key_data(leaf, impl=self.impls[j]) if keyed else leaf
+                for j, (leaf, keyed) in enumerate(zip(data, self.keyed))]
+
+
+def _row(tree: Any, u: jax.Array) -> Any:
+    return jax.tree.map(lambda t: lax.dynamic_index_in_dim(t, u, 0, keepdims=False), tree)
+
+
+def offload_scan(
+    step_for: Callable[[int], Step], kinds: Sequence[CopyKind], stacked: Any, a: Any, keys: Any
+) -> tuple[Any, Any]:
+    """Run ``step(p, keys, a, u) -> (a, updates)`` over the ``n = len(kinds)`` slices ``p`` of
+    ``stacked`` (leading axis ``n``; ``u`` the slice's index), copy ``u`` as ``kinds[u]`` says;
+    ``step_for(option)`` is the step under that store option (0: every residual kept). Returns
+    the last output and the updates stacked over the copies."""
+    kinds = tuple(kinds)
+    segs = segments(kinds)
+    p0 = _row(stacked, jnp.int32(0))
+    steps = {k: _replay(step_for(k), p0, keys, a, jnp.int32(0))[0] for k in sorted({s.kind.option for s in segs})}
+    traced: dict[int, tuple[_Linearised, _Rows]] = {}
+
+    def linearised(option: int, a: Any) -> tuple[_Linearised, _Rows]:
+        if option not in traced:
+            lin = _Linearised.trace(steps[option], p0, keys, a)
+            traced[option] = lin, _Rows(lin.shapes)
+        return traced[option]
+
+    def run(stacked: Any, keys: Any, a: Any) -> tuple[Any, list]:
+        parts = []
+        for seg in segs:
+            a, ys = lax.scan(lambda a, u: steps[0](_row(stacked, u), keys, a, u), a, jnp.arange(seg.lo, seg.hi))
+            parts.append(ys)
+        return a, parts
+
+    @jax.custom_vjp
+    def loop(stacked: Any, keys: Any, a: Any) -> tuple[Any, Any]:
+        a, parts = run(stacked, keys, a)
+        return a, _concat(parts)
+
+    def fwd(stacked: Any, keys: Any, a: Any) -> tuple[tuple[Any, Any], tuple]:
+        saved, parts = [], []
+        for seg in segs:
+            kind = seg.kind
+            lin, codec = linearised(kind.option if kind.stored else 0, a)
+
+            def body(a: Any, u: jax.Array, kind: CopyKind = kind, lin: _Linearised = lin, codec: _Rows = codec) -> tuple[Any, tuple]:
+                p = _row(stacked, u)
+                inp = to_host(a) if kind.host_input else a
+                if not kind.stored:
+                    out, updates = steps[0](p, keys, a, u)
+                    return out, (inp, [], updates)
+                out, updates, stored = lin.run(p, keys, a, u)
+                row = codec.encode(stored)
+                return out, (inp, to_host(row) if kind.host_bundle else row, updates)
+
+            a, (inputs, rows, updates) = lax.scan(body, a, jnp.arange(seg.lo, seg.hi))
+            saved.append((inputs, rows))
+            parts.append(updates)
+        return (a, _concat(parts)), (stacked, keys, saved)
+
+    def bwd(res: tuple, g: tuple[Any, Any]) -> tuple:
+        stacked, keys, saved = res
+        p_leaves, p_tree = jax.tree.flatten(stacked)
+        p_diff = [_inexact(leaf) for leaf in p_leaves]
+        a_like = jax.tree.map(lambda t: t[0], saved[0][0])
+        a_leaves, a_tree = jax.tree.flatten(a_like)
+        a_diff = [_inexact(leaf) for leaf in a_leaves]
+        g_a = [c for c, d in zip(jax.tree.leaves(g[0]), a_diff) if d]
+        d_p = [jnp.zeros_like(leaf) for leaf, d in zip(p_leaves, p_diff) if d]
+        for seg, (inputs, rows) in reversed(list(zip(segs, saved))):
+            kind = seg.kind
+            lin, codec = traced[kind.option if kind.stored else 0]
+
+            def body(carry: tuple, xs: tuple, kind: CopyKind = kind, lin: _Linearised = lin, codec: _Rows = codec) -> tuple[tuple, None]:
+                g_a, d_p = carry
+                u, inp, row = xs
+                p = _row(stacked, u)
+                a = to_device(inp) if kind.host_input else inp
+                if kind.stored:
+                    stored = codec.decode(to_device(row) if kind.host_bundle else row)
+                else:
+                    stored = lin.run(p, keys, a, u)[2]  # recomputed from the saved input
+                d = lin.pullback(stored, p, a)(a_tree.unflatten(_fill(g_a, a_diff, a_leaves)))
+                n_p = sum(p_diff)
+                d_p = [lax.dynamic_update_index_in_dim(acc, row_d.astype(acc.dtype), u, 0)
+                       for acc, row_d in zip(d_p, d[:n_p])]
+                return (list(d[n_p:]), d_p), None
+
+            (g_a, d_p), _ = lax.scan(body, (g_a, d_p), (jnp.arange(seg.lo, seg.hi), inputs, rows), reverse=True)
+        d_stacked = p_tree.unflatten(_fill(d_p, p_diff, p_leaves))
+        return d_stacked, None, a_tree.unflatten(_fill(g_a, a_diff, a_leaves))
+
+    loop.defvjp(fwd, bwd)
+    return loop(stacked, keys, a)
+
+
+def _concat(parts: list) -> Any:
+    """Per-segment stacked trees joined along the copies (one tree when there is one segment)."""
+    if len(parts) == 1 or not jax.tree.leaves(parts[0]):
+        return parts[0]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+
+
+__all__ = ["CopyKind", "Segment", "offload_scan", "segments"]
