@@ -6,7 +6,8 @@
 For each model: compile the training step (loss and gradients) under every manual strategy,
 under jaxremat ``"optimal"`` asked for each strategy's compiled memory, and under remat-only and
 remat + offload plans (``"optimal_offload"``, with the host links' bandwidths measured once) at 30%
-and 50% of the store-all peak; then run them in order of
+and 50% of the store-all peak (for the GPT also with its blocks stacked in one ``jr.Repeat``,
+whose offload plans run as loops); then run them in order of
 increasing compiled memory and read the device's ``peak_bytes_in_use`` after each (the peak only
 grows, so each reading is that step's peak as long as the order holds; a reading that did not
 grow is marked ``<=``). Times: median of timed calls synchronised with ``block_until_ready``.
@@ -22,6 +23,7 @@ import datetime
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -94,6 +96,12 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
             p = compare.Point(f"jaxremat {alg} at {share} ({len(sched.offloads)} offloaded)", "offload",
                               predicted_peak=sched.peak - x0, predicted_overhead=sched.overhead)
             points.append(compare.compile_point(p, step, params, x))
+    return measure(label, points, params, x, calls)
+
+
+def measure(label: str, points: list, params: list, x, calls: int) -> list[list[str]]:
+    """Run ``points`` in order of increasing compiled memory (the device's peak only grows), time
+    them, compare offload plans' gradients with the no-remat step's; the table's rows."""
     base_in_use = device_bytes("bytes_in_use")
     outputs: dict[str, object] = {}
     rows, last_peak = [], None
@@ -127,6 +135,38 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
     return rows
 
 
+def stacked_offload(label: str, kwargs: dict, shape: tuple, dtype: str, calls: int) -> list[list[str]]:
+    """The GPT with its blocks as one ``jr.Repeat`` (stacked parameters, as ``nn.scan`` keeps
+    them): remat + offload plans at 30% and 50% run as offload loops (a scan per run of alike
+    copies, residuals moved as scan outputs), gradients against the stacked model's plain step."""
+    model = gpt(**kwargs, stacked=True)
+    x = sample_input(shape, dtype, high=kwargs["vocab"])
+    chain = jr.Chain.from_linen(model)
+    v = model.init(jax.random.key(0), x)
+    per = chain.layer_variables(v)
+    params = [u.get("params", {}) for u in per]
+    costs = jr.profile(chain, v, x, method="measure", quiet=True)
+    x0 = int(costs.x[0])
+    plain = compare.training_step(lambda vs, a: model.apply(chain.from_layer_variables(vs), a), per)
+    points = [compare.compile_point(compare.Point("no remat", "manual"), plain, params, x)]
+    for share in ("30%", "50%"):
+        try:
+            sched = jr.solve(costs, share, algorithm="optimal_offload", bandwidth=bandwidth())
+        except jr.InfeasibleBudget:
+            continue
+        f = jr.execute(chain, sched)
+        step = compare.training_step(lambda vs, a, f=f: f(chain.from_layer_variables(vs), a)[0], per)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            p = compare.compile_point(
+                compare.Point(f"jaxremat optimal_offload at {share} ({len(sched.offloads)} offloaded)", "offload",
+                              predicted_peak=sched.peak - x0, predicted_overhead=sched.overhead), step, params, x)
+        unrolled = any("runs unrolled" in str(w.message) for w in seen)
+        p.strategy += ", unrolled" if unrolled else ", as loops"
+        points.append(p)
+    return measure(label + " (blocks stacked: one jr.Repeat)", points, params, x, calls)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="small sizes (for a CPU)")
@@ -143,6 +183,8 @@ def main(argv: list[str] | None = None) -> str:
             continue
         print(f"{label} ...", flush=True)
         rows += check(label, factory, kwargs, shape, dtype, args.calls)
+        if factory is gpt:
+            rows += stacked_offload(label, kwargs, shape, dtype, args.calls)
     head = ["model", "strategy", "XLA temp", "predicted", "peak_bytes_in_use - before", "step ms", "over no remat",
             "predicted over store-all"]
     lines = [
