@@ -20,8 +20,10 @@ Program = tuple[Callable[..., Any], tuple]  # a compiled function and its argume
 # Each program runs back to back within a round until the round's calls add up to this (at most
 # MAX_CALLS calls): a program of a fraction of a millisecond timed by one call measures the
 # dispatch and the scheduler's jitter more than itself (two profiles in a row disagreed by up to
-# 39% on such stages, a few percent on the others).
-ROUND_SECONDS = 5e-3
+# 39% on such stages, a few percent on the others). At 5 ms, programs of 1-5 ms still ran once
+# to four times a round and the autoencoder's two profiles disagreed by 12-18% at worst in four
+# pairs (15% or less in one); at 20 ms, by 7-18% in three (15% or less in two).
+ROUND_SECONDS = 20e-3
 MAX_CALLS = 100
 
 
