@@ -130,6 +130,31 @@ def test_selective_loop_takes_pytree_activations_with_integer_leaves():
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), got, ref)
 
 
+class RematDropout(nn.Module):
+    """A block whose dropout runs under its own ``nn.remat``: its backward redraws the mask, so
+    it keeps the PRNG key as a residual."""
+
+    @nn.compact
+    def __call__(self, x):
+        inner = nn.remat(lambda m, h: nn.Dropout(0.3, deterministic=False)(jnp.tanh(nn.Dense(16)(h))))
+        return inner(self, x)
+
+
+def test_a_selective_loop_keeps_prng_key_residuals():
+    model = nn.Sequential([nn.Dense(16), jr.Repeat(RematDropout(), 6)])
+    chain = Chain.from_linen(model, rng_streams=("dropout",))
+    x = jax.random.normal(jax.random.key(1), (8, 5))
+    v = model.init({"params": jax.random.key(0), "dropout": jax.random.key(3)}, x)
+    costs = jr.ChainCosts.uniform(len(chain), x=4, xbar=12)
+    ops = to_ops(periodic_tree(len(chain), [(1, 6)], {1: selective(2, 6)}), len(chain))
+    f = execute(chain, Schedule.from_ops(costs, ops, budget=None, algorithm="optimal"))
+    rngs = {"dropout": jax.random.key(7)}
+    (loss, _), got = jr.jit(lambda v: _grads(f, v, x, rngs))(v)
+    (rl, _), ref = jax.jit(lambda v: _grads(plain_forward(chain), v, x, rngs))(v)
+    np.testing.assert_allclose(loss, rl, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, ref)
+
+
 def test_a_selective_loop_compiles_one_block_body_whatever_its_pattern():
     """The step's jaxpr holds as many matrix products for any mix of stored and checkpointed
     copies (one block forward, its recomputation, its backward), where a repeated pattern of

@@ -71,32 +71,6 @@ def segments(kinds: Sequence[CopyKind]) -> tuple[Segment, ...]:
     return tuple(out)
 
 
-class _Rows:
-    """A copy's residuals as the arrays a scan stacks and moves, PRNG keys (a dropout's) as their
-    key data, rewrapped on the way back.
-
-    Not packed into one flat array per dtype as the selective loop's buffer is: a packed row is
-    a concatenate that XLA does not write in place into the scan's output, one more copy of the
-    residuals per segment (6 of 27 MiB on an 8-block GPT whose copies were all stored)."""
-
-    def __init__(self, shapes: Sequence[Any]):
-        self.keyed = [jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended) for s in shapes]
-        self.impls: dict[int, Any] = {}  # filled when the forward pass is traced, read by the backward
-
-    def encode(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
-        data = []
-        for j, (leaf, keyed) in enumerate(zip(leaves, self.keyed)):
-            if keyed:
-                self.impls[j] = jax.random.key_impl(leaf)
-                leaf = jax.random.key_data(leaf)
-            data.append(leaf)
-        return data
-
-    def decode(self, data: Sequence[jax.Array]) -> list[jax.Array]:
-        return [jax.random.wrap_key_data(leaf, impl=self.impls[j]) if keyed else leaf
-                for j, (leaf, keyed) in enumerate(zip(data, self.keyed))]
-
-
 def _row(tree: Any, u: jax.Array) -> Any:
     return jax.tree.map(lambda t: lax.dynamic_index_in_dim(t, u, 0, keepdims=False), tree)
 
@@ -112,12 +86,14 @@ def offload_scan(
     segs = segments(kinds)
     p0 = _row(stacked, jnp.int32(0))
     steps = {k: _replay(step_for(k), p0, keys, a, jnp.int32(0))[0] for k in sorted({s.kind.option for s in segs})}
-    traced: dict[int, tuple[_Linearised, _Rows]] = {}
+    # a copy's residuals are stacked and moved as they are (PRNG keys as their data), not packed
+    # into one row per dtype as in the selective loop: the packing concatenate is not written in
+    # place into the scan's output, one more copy of the residuals (6 of 27 MiB on an 8-block GPT)
+    traced: dict[int, _Linearised] = {}
 
-    def linearised(option: int, a: Any) -> tuple[_Linearised, _Rows]:
+    def linearised(option: int, a: Any) -> _Linearised:
         if option not in traced:
-            lin = _Linearised.trace(steps[option], p0, keys, a)
-            traced[option] = lin, _Rows(lin.shapes)
+            traced[option] = _Linearised.trace(steps[option], p0, keys, a)
         return traced[option]
 
     def run(stacked: Any, keys: Any, a: Any) -> tuple[Any, list]:
@@ -136,16 +112,16 @@ def offload_scan(
         saved, parts = [], []
         for seg in segs:
             kind = seg.kind
-            lin, codec = linearised(kind.option if kind.stored else 0, a)
+            lin = linearised(kind.option if kind.stored else 0, a)
 
-            def body(a: Any, u: jax.Array, kind: CopyKind = kind, lin: _Linearised = lin, codec: _Rows = codec) -> tuple[Any, tuple]:
+            def body(a: Any, u: jax.Array, kind: CopyKind = kind, lin: _Linearised = lin) -> tuple[Any, tuple]:
                 p = _row(stacked, u)
                 inp = to_host(a) if kind.host_input else a
                 if not kind.stored:
                     out, updates = steps[0](p, keys, a, u)
                     return out, (inp, [], updates)
                 out, updates, stored = lin.run(p, keys, a, u)
-                row = codec.encode(stored)
+                row = lin.keys.encode(stored)
                 return out, (inp, to_host(row) if kind.host_bundle else row, updates)
 
             a, (inputs, rows, updates) = lax.scan(body, a, jnp.arange(seg.lo, seg.hi))
@@ -164,15 +140,15 @@ def offload_scan(
         d_p = [jnp.zeros_like(leaf) for leaf, d in zip(p_leaves, p_diff) if d]
         for seg, (inputs, rows) in reversed(list(zip(segs, saved))):
             kind = seg.kind
-            lin, codec = traced[kind.option if kind.stored else 0]
+            lin = traced[kind.option if kind.stored else 0]
 
-            def body(carry: tuple, xs: tuple, kind: CopyKind = kind, lin: _Linearised = lin, codec: _Rows = codec) -> tuple[tuple, None]:
+            def body(carry: tuple, xs: tuple, kind: CopyKind = kind, lin: _Linearised = lin) -> tuple[tuple, None]:
                 g_a, d_p = carry
                 u, inp, row = xs
                 p = _row(stacked, u)
                 a = to_device(inp) if kind.host_input else inp
                 if kind.stored:
-                    stored = codec.decode(to_device(row) if kind.host_bundle else row)
+                    stored = lin.keys.decode(to_device(row) if kind.host_bundle else row)
                 else:
                     stored = lin.run(p, keys, a, u)[2]  # recomputed from the saved input
                 d = lin.pullback(stored, p, a)(a_tree.unflatten(_fill(g_a, a_diff, a_leaves)))

@@ -77,8 +77,19 @@ class _Linearised:
     shapes: tuple  # of the stored residuals
 
     @functools.cached_property
+    def keys(self) -> "KeyData":
+        return KeyData(self.shapes)
+
+    @functools.cached_property
     def layout(self) -> "_Layout":
-        return _Layout(self.shapes)
+        """How the residuals (PRNG keys as their data) pack into one flat row per dtype."""
+        return _Layout(self.keys.shapes)
+
+    def pack(self, stored: Sequence[jax.Array]) -> list[jax.Array]:
+        return self.layout.pack(self.keys.encode(stored))
+
+    def unpack(self, flats: Sequence[jax.Array]) -> list[jax.Array]:
+        return self.keys.decode(self.layout.unpack(flats))
 
     @classmethod
     def trace(cls, step: Step, p: Any, keys: Any, a: Any) -> "_Linearised":
@@ -125,7 +136,7 @@ def selective_scan(step: Step, flags: Sequence[bool], stacked: Any, a: Any, keys
             a, bufs = carry
             p, u, slot, keep = xs
             out, updates, stored = lin.run(p, keys, a, u)
-            return (out, lin.layout.write(bufs, stored, slot, keep)), (a, updates)
+            return (out, lin.layout.write(bufs, lin.keys.encode(stored), slot, keep)), (a, updates)
 
         (out, bufs), (inputs, updates) = lax.scan(body, (a, bufs), (stacked, jnp.arange(n), slots, jnp.asarray(flags)))
         return (out, updates), (stacked, keys, inputs, bufs)
@@ -143,12 +154,12 @@ def selective_scan(step: Step, flags: Sequence[bool], stacked: Any, a: Any, keys
             p, a, u, stored, slot = xs
 
             def recompute() -> list:
-                return lin.layout.pack(lin.run(p, keys, a, u)[2])
+                return lin.pack(lin.run(p, keys, a, u)[2])
 
             def load() -> list:
                 return [lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in bufs]
 
-            pull = lin.pullback(lin.layout.unpack(lax.cond(stored, load, recompute)), p, a)
+            pull = lin.pullback(lin.unpack(lax.cond(stored, load, recompute)), p, a)
             d = pull(jax.tree.unflatten(a_tree, _fill(g, a_diff, a_leaves)))
             return list(d[sum(p_diff):]), list(d[: sum(p_diff)])
 
@@ -169,13 +180,6 @@ class _Layout:
     """
 
     def __init__(self, shapes: Sequence[Any]):
-        for s in shapes:
-            if jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended):
-                raise NotImplementedError(
-                    f"jaxremat: a stage keeps a residual of dtype {s.dtype} (e.g. a PRNG key) for its backward pass; "
-                    "a Repeat whose copies are stored or recomputed one by one cannot keep such residuals yet. "
-                    "Derive random bits inside the stage from its rngs instead, or plan with max_period > 1."
-                )
         self.shapes = [(tuple(s.shape), jnp.dtype(s.dtype)) for s in shapes]
         self.dtypes = list(dict.fromkeys(d for _, d in self.shapes))
         self.buffers = [(d, sum(int(np.prod(s)) for s, dd in self.shapes if dd == d)) for d in self.dtypes]
@@ -210,6 +214,30 @@ class _Layout:
             out.append(lax.slice_in_dim(by_dtype[d], o, o + size).reshape(shape))
             offsets[d] = o + size
         return out
+
+
+class KeyData:
+    """PRNG keys among a copy's residuals (a stage that draws random bits in its backward keeps
+    its key) as their key data, so that they are stored, stacked and moved as plain ``uint32``
+    arrays; rewrapped when read back. ``shapes``: the residuals' shapes so encoded."""
+
+    def __init__(self, shapes: Sequence[Any]):
+        self.keyed = [jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended) for s in shapes]
+        self.shapes = [jax.eval_shape(jax.random.key_data, s) if k else s for s, k in zip(shapes, self.keyed)]
+        self.impls: dict[int, Any] = {}  # filled when the forward pass is traced, read by the backward
+
+    def encode(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
+        out = []
+        for j, (leaf, keyed) in enumerate(zip(leaves, self.keyed)):
+            if keyed:
+                self.impls[j] = jax.random.key_impl(leaf)
+                leaf = jax.random.key_data(leaf)
+            out.append(leaf)
+        return out
+
+    def decode(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
+        return [jax.random.wrap_key_data(leaf, impl=self.impls[j]) if keyed else leaf
+                for j, (leaf, keyed) in enumerate(zip(leaves, self.keyed))]
 
 
 def _fill(values: Sequence[Any], diff: Sequence[bool], like: Sequence[Any]) -> list:
