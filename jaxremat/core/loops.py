@@ -109,13 +109,6 @@ def loop_costs(
     """
     fwd_add, bwd_add = np.zeros(costs.length, np.int64), np.zeros(costs.length, np.int64)
     for s, n in groups:
-        # the stacked gradient: the backward loop writes it row by row, and the optimizer reads it
-        # whole after the step's backward, so it is held from the loop's last copy's backward to
-        # the end (unrolled stages' gradients are consumed one by one). In a step that returns the
-        # gradients it is an output, which temp_size_in_bytes leaves out: counted anyway, as the
-        # step users run (an update inside, parameters donated) holds it (a 12-block GPT's loop
-        # plans used 1.25-1.33x their peak there without it)
-        bwd_add[: s + n] += sum(int(param_bytes[i]) for i in range(s, s + n))
         pattern = pattern_of[s]
         selective = is_selective(pattern, n)
         p = period(pattern)
