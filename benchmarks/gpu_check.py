@@ -59,6 +59,14 @@ def bandwidth() -> jr.Bandwidth:
     return jr.Bandwidth(1e10, 1e10) if jax.devices()[0].platform == "cpu" else link_bandwidth()
 
 
+def costs_of(chain: jr.Chain, v, x) -> jr.ChainCosts:
+    """Measured costs on a GPU; on the CPU (``--tiny``, a test of this script) roofline costs,
+    which profile in a fraction of the time."""
+    if jax.devices()[0].platform == "cpu":
+        return jr.profile(chain, v, x, method="xla", rates=jr.profiling.Rates(1e10, 1e10), quiet=True)
+    return jr.profile(chain, v, x, method="measure", quiet=True)
+
+
 def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: int) -> list[list[str]]:
     model = factory(**kwargs)
     x = sample_input(shape, dtype, high=kwargs.get("vocab", 2))
@@ -66,7 +74,7 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
     v = model.init(jax.random.key(0), x)
     per = chain.split(v)
     params = [u.get("params", {}) for u in per]
-    costs = jr.profile(chain, v, x, method="measure", quiet=True)
+    costs = costs_of(chain, v, x)
     x0 = int(costs.x[0])
     manual = compare.manual_strategies(chain)
     k = max(2, round(math.sqrt(len(chain))))
@@ -145,7 +153,7 @@ def stacked_offload(label: str, kwargs: dict, shape: tuple, dtype: str, calls: i
     v = model.init(jax.random.key(0), x)
     per = chain.layer_variables(v)
     params = [u.get("params", {}) for u in per]
-    costs = jr.profile(chain, v, x, method="measure", quiet=True)
+    costs = costs_of(chain, v, x)
     x0 = int(costs.x[0])
     plain = compare.training_step(lambda vs, a: model.apply(chain.from_layer_variables(vs), a), per)
     points = [compare.compile_point(compare.Point("no remat", "manual"), plain, params, x)]
