@@ -67,14 +67,18 @@ def costs_of(chain: jr.Chain, v, x) -> jr.ChainCosts:
     return jr.profile(chain, v, x, method="measure", quiet=True)
 
 
-def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: int) -> list[list[str]]:
-    model = factory(**kwargs)
-    x = sample_input(shape, dtype, high=kwargs.get("vocab", 2))
+def prepared(model, shape: tuple, dtype: str, high: int) -> tuple:
+    """``(x, chain, variables, costs)`` for ``model`` on a sample input."""
+    x = sample_input(shape, dtype, high=high)
     chain = jr.Chain.from_linen(model)
     v = model.init(jax.random.key(0), x)
+    return x, chain, v, costs_of(chain, v, x)
+
+
+def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: int) -> list[list[str]]:
+    x, chain, v, costs = prepared(factory(**kwargs), shape, dtype, kwargs.get("vocab", 2))
     per = chain.split(v)
     params = [u.get("params", {}) for u in per]
-    costs = costs_of(chain, v, x)
     x0 = int(costs.x[0])
     manual = compare.manual_strategies(chain)
     k = max(2, round(math.sqrt(len(chain))))
@@ -148,12 +152,9 @@ def stacked_offload(label: str, kwargs: dict, shape: tuple, dtype: str, calls: i
     them): remat + offload plans at 30% and 50% run as offload loops (a scan per run of alike
     copies, residuals moved as scan outputs), gradients against the stacked model's plain step."""
     model = gpt(**kwargs, stacked=True)
-    x = sample_input(shape, dtype, high=kwargs["vocab"])
-    chain = jr.Chain.from_linen(model)
-    v = model.init(jax.random.key(0), x)
-    per = chain.layer_variables(v)
+    x, chain, v, costs = prepared(model, shape, dtype, kwargs["vocab"])
+    per = chain.layer_variables(v)  # the stack as the model keeps it
     params = [u.get("params", {}) for u in per]
-    costs = costs_of(chain, v, x)
     x0 = int(costs.x[0])
     plain = compare.training_step(lambda vs, a: model.apply(chain.from_layer_variables(vs), a), per)
     points = [compare.compile_point(compare.Point("no remat", "manual"), plain, params, x)]
