@@ -274,6 +274,9 @@ def test_offload_loops_are_exact_with_dropout_and_batch_stats(repeat_offloads):
     (rl, (ro, ru)), ref = jax.jit(lambda v, x: _rgrads(plain_forward(chain), v, x, rngs))(v, x)
     np.testing.assert_allclose(loss, rl, rtol=1e-6)
     np.testing.assert_allclose(out, ro, rtol=1e-6, atol=1e-7)  # the same dropout masks
+    plain_out, plain_upd = jr.jit(lambda v, x: f(v, x, rngs))(v, x)  # no gradient: one forward loop
+    np.testing.assert_allclose(plain_out, ro, rtol=1e-6, atol=1e-7)
+    assert sorted(plain_upd) == sorted(ru)
     assert sorted(upd) == sorted(ru)  # batch_stats updated once per copy
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), (upd, got), (ru, ref))
 

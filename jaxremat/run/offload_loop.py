@@ -96,17 +96,10 @@ def offload_scan(
             traced[option] = _Linearised.trace(steps[option], p0, keys, a)
         return traced[option]
 
-    def run(stacked: Any, keys: Any, a: Any) -> tuple[Any, list]:
-        parts = []
-        for seg in segs:
-            a, ys = lax.scan(lambda a, u: steps[0](_row(stacked, u), keys, a, u), a, jnp.arange(seg.lo, seg.hi))
-            parts.append(ys)
-        return a, parts
-
     @jax.custom_vjp
     def loop(stacked: Any, keys: Any, a: Any) -> tuple[Any, Any]:
-        a, parts = run(stacked, keys, a)
-        return a, _concat(parts)
+        # without a gradient nothing is kept or moved: one scan over every copy
+        return lax.scan(lambda a, u: steps[0](_row(stacked, u), keys, a, u), a, jnp.arange(len(kinds)))
 
     def fwd(stacked: Any, keys: Any, a: Any) -> tuple[tuple[Any, Any], tuple]:
         saved, parts = [], []
