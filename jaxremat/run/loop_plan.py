@@ -123,11 +123,19 @@ def _inside(units: Sequence[Unit], start: int, stop: int) -> list[Unit]:
     return [u for u in units if start <= u.start < stop]
 
 
+def _one_stage_each(units: Sequence[Unit], start: int, stop: int) -> list[Unit] | None:
+    """The units covering stages ``start .. stop-1`` when each covers exactly one of them."""
+    inside = _inside(units, start, stop)
+    if len(inside) != stop - start or any((u.start, u.stop) != (start + q, start + q + 1) for q, u in enumerate(inside)):
+        return None
+    return inside
+
+
 def selective_flags(units: Sequence[Unit], start: int, stop: int) -> tuple[bool, ...] | None:
     """Per stage of ``start .. stop-1``, stored or not, when the units covering them are each one
     stage, stored or checkpointed alone, in a mix that runs as a selective loop; else ``None``."""
-    inside = _inside(units, start, stop)
-    if len(inside) != stop - start or any((u.start, u.stop) != (start + q, start + q + 1) for q, u in enumerate(inside)):
+    inside = _one_stage_each(units, start, stop)
+    if inside is None:
         return None
     if any(isinstance(u, StoreUnit) and u.option for u in inside):
         return None  # a selective loop stores whole copies only (store option 0)
@@ -140,8 +148,8 @@ def offload_kinds(
 ) -> tuple[CopyKind, ...] | None:
     """Per stage of ``start .. stop-1``, how it runs in an :class:`OffloadLoop`, when the units
     covering them are each one stage (stored under any option, or checkpointed alone); else ``None``."""
-    inside = _inside(units, start, stop)
-    if len(inside) != stop - start or any((u.start, u.stop) != (start + q, start + q + 1) for q, u in enumerate(inside)):
+    inside = _one_stage_each(units, start, stop)
+    if inside is None:
         return None
     return tuple(
         CopyKind(True, u.option, ("a", u.start) in offloaded, ("abar", u.start) in offloaded)
