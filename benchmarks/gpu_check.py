@@ -83,8 +83,7 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
     manual = compare.manual_strategies(chain)
     k = max(2, round(math.sqrt(len(chain))))
     names = [n for n in manual if n in MANUAL or n.startswith(f"checkpoint every {k} blocks")]
-    points = [compare.compile_point(compare.Point(n, "manual"), compare.training_step(manual[n], per), params, x)
-              for n in names]
+    points = [compare.compile_point(compare.Point(n, "manual"), manual[n], per, params, x) for n in names]
     for m in list(points[1:]):
         try:
             sched = jr.solve(costs, m.temp + x0)
@@ -92,10 +91,9 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
             print(f"  jaxremat at {m.strategy}'s memory: does not fit (least {jr.format_bytes(e.min_budget)})")
             continue
         f = jr.execute(chain, sched)
-        step = compare.training_step(lambda vs, a, f=f: f(chain.merge(vs), a)[0], per)
         p = compare.Point(f"jaxremat at '{m.strategy}'", "matched", predicted_peak=sched.peak - x0,
                           predicted_overhead=sched.overhead, matches=m.strategy)
-        points.append(compare.compile_point(p, step, params, x))
+        points.append(compare.compile_point(p, lambda vs, a, f=f: f(chain.merge(vs), a)[0], per, params, x))
     bw = bandwidth()
     for share in ("30%", "50%"):
         for alg in ("optimal", "optimal_offload"):
@@ -104,32 +102,33 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
             except jr.InfeasibleBudget:
                 continue
             f = jr.execute(chain, sched)
-            step = compare.training_step(lambda vs, a, f=f: f(chain.merge(vs), a)[0], per)
             p = compare.Point(f"jaxremat {alg} at {share} ({len(sched.offloads)} offloaded)", "offload",
                               predicted_peak=sched.peak - x0, predicted_overhead=sched.overhead)
-            points.append(compare.compile_point(p, step, params, x))
+            points.append(compare.compile_point(p, lambda vs, a, f=f: f(chain.merge(vs), a)[0], per, params, x))
     return measure(label, points, params, x, calls)
 
 
 def measure(label: str, points: list, params: list, x, calls: int) -> list[list[str]]:
     """Run ``points`` in order of increasing compiled memory (the device's peak only grows), time
-    them, compare offload plans' gradients with the no-remat step's; the table's rows."""
+    them, compare offload plans' gradients with the no-remat step's (read from Adam's first
+    moment after one update step, ``(1 - b1) g``); the table's rows."""
     base_in_use = device_bytes("bytes_in_use")
     outputs: dict[str, object] = {}
     rows, last_peak = [], None
     for p in sorted(points, key=lambda p: p.temp):  # increasing compiled memory: the peak only grows
-        out = p.compiled(params, x)
-        jax.block_until_ready(out)
+        out = jax.block_until_ready(p.compiled(*compare.fresh_state(params), x))
         if p.strategy == "no remat" or p.kind == "offload":
-            outputs[p.strategy] = jax.tree.map(np.asarray, out)  # to host: compared after the runs
+            outputs[p.strategy] = jax.tree.map(np.asarray, out[2][0].mu)  # to host: compared after the runs
+        carried = out[1:]
         del out
         peak = device_bytes("peak_bytes_in_use")
         grew = last_peak is None or peak is None or peak > last_peak
         last_peak = peak
         for _ in range(calls):
             t0 = time.perf_counter()
-            jax.block_until_ready(p.compiled(params, x))
+            _, *carried = jax.block_until_ready(p.compiled(*carried, x))
             p.times.append(time.perf_counter() - t0)
+        del carried
         p.note = "n/a" if peak is None else ("" if grew else "<=") + jr.format_bytes(peak - (base_in_use or 0))
     for p in points:
         if p.kind == "offload":
@@ -156,20 +155,20 @@ def stacked_offload(label: str, kwargs: dict, shape: tuple, dtype: str, calls: i
     per = chain.layer_variables(v)  # the stack as the model keeps it
     params = [u.get("params", {}) for u in per]
     x0 = int(costs.x[0])
-    plain = compare.training_step(lambda vs, a: model.apply(chain.from_layer_variables(vs), a), per)
-    points = [compare.compile_point(compare.Point("no remat", "manual"), plain, params, x)]
+    plain = lambda vs, a: model.apply(chain.from_layer_variables(vs), a)  # noqa: E731
+    points = [compare.compile_point(compare.Point("no remat", "manual"), plain, per, params, x)]
     for share in ("30%", "50%"):
         try:
             sched = jr.solve(costs, share, algorithm="optimal_offload", bandwidth=bandwidth())
         except jr.InfeasibleBudget:
             continue
         f = jr.execute(chain, sched)
-        step = compare.training_step(lambda vs, a, f=f: f(chain.from_layer_variables(vs), a)[0], per)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             p = compare.compile_point(
                 compare.Point(f"jaxremat optimal_offload at {share} ({len(sched.offloads)} offloaded)", "offload",
-                              predicted_peak=sched.peak - x0, predicted_overhead=sched.overhead), step, params, x)
+                              predicted_peak=sched.peak - x0, predicted_overhead=sched.overhead),
+                lambda vs, a, f=f: f(chain.from_layer_variables(vs), a)[0], per, params, x)
         unrolled = any("runs unrolled" in str(w.message) for w in seen)
         p.strategy += ", unrolled" if unrolled else ", as loops"
         points.append(p)

@@ -48,7 +48,7 @@ def _offload_schedules(chain, v, x):
     lo = jr.min_budget(costs, algorithm="optimal_offload", bandwidth=1e12)
     hi = jr.store_all_peak(costs)
     found = []
-    for share in np.linspace(0, 0.9, 10):
+    for share in np.linspace(0, 0.9, 19):
         s = jr.solve(costs, int(lo + share * (hi - lo)), algorithm="optimal_offload", bandwidth=1e12)
         if s.offloads and s.ops not in [f.ops for f in found]:
             found.append(s)
@@ -159,7 +159,7 @@ def test_remat_chain_plans_offload_and_says_what_the_cpu_cannot_measure(tmp_path
         jr.remat_chain("50%", algorithm="optimal_offload")(layers())
     with pytest.raises(ValueError, match="moves nothing to host memory"):
         jr.remat_chain("50%", bandwidth=1e9)(layers())
-    model = jr.remat_chain("40%", algorithm="optimal_offload", bandwidth=1e12, method="xla")(layers())
+    model = jr.remat_chain("50%", algorithm="optimal_offload", bandwidth=1e12, method="xla")(layers())
     x = jax.random.normal(jax.random.key(1), (32, 16))
     v = model.init(jax.random.key(0), x)
     p = jr.plan(model, v, x)
@@ -182,7 +182,8 @@ def _stacked_gpt():
 
 def test_a_repeat_layer_with_offloads_runs_as_loops():
     m, x = _stacked_gpt()
-    model = jr.remat_chain("40%", algorithm="optimal_offload", bandwidth=1e12, method="xla")(m)
+    # 80%: parameters dominate this tiny model, and each backward holds its stage's gradient
+    model = jr.remat_chain("80%", algorithm="optimal_offload", bandwidth=1e12, method="xla")(m)
     v = model.init(jax.random.key(0), x)
     sched = jr.plan(model, v, x).schedule
     assert any(1 <= op.stage <= 4 for op in sched.offloads)  # something of the Repeat's copies moves

@@ -7,9 +7,9 @@ from typing import Any
 
 
 from jaxremat.api.calibrate import calibrated_pick, step_temp
-from jaxremat.core.budgets import Budget, budget_bytes
+from jaxremat.core.budgets import Budget, parse_budget
 from jaxremat.core.costs import ChainCosts
-from jaxremat.core.loops import MAX_PERIOD, LoopGroup, copy_costs
+from jaxremat.core.loops import MAX_PERIOD, LoopGroup, copy_costs, loop_store_all_peak
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.core.simulator import simulate
 from jaxremat.core.units import format_bytes
@@ -29,13 +29,21 @@ def param_bytes(chain: Chain, variables: Any) -> list[int]:
     return [tree_bytes(v) for v in chain.stage_shapes(variables)]
 
 
+def loop_budget_bytes(costs: ChainCosts, groups: list[LoopGroup], weights: list[int], budget: Budget) -> int:
+    """``budget`` in bytes for a chain with Repeat layers: a share (``"40%"``) or ``None`` is of
+    the store-all peak with each Repeat run as one loop of stored copies, stacked gradient
+    included (:func:`~jaxremat.core.loops.loop_store_all_peak`), the memory plain autodiff of
+    the model as written uses."""
+    return parse_budget(budget, loop_store_all_peak(costs, groups, weights))
+
+
 def loop_schedule(chain: Chain, variables: Any, costs: ChainCosts, budget: Budget, slots: int, max_period: int) -> Schedule:
     """The fastest schedule that runs each Repeat layer as one loop over its stacked variables,
     with the loop's transients counted. When none fits, the optimal schedule with alike units
     grouped and the copies of the sliced parameters counted (the executor then warns);
     ``InfeasibleBudget`` when that does not fit either."""
     groups, weights = loop_groups(chain), param_bytes(chain, variables)
-    target = budget_bytes(costs, budget)
+    target = loop_budget_bytes(costs, groups, weights, budget)
     found = solve_periodic(costs, target, groups, max_period=max_period, param_bytes=weights)
     if found is not None:
         return found
@@ -58,10 +66,11 @@ def calibrated_loop_schedule(
     """The fastest loop schedule whose step, compiled by XLA, fits the budget (fastest candidates
     first, skipping those whose plain prediction is above the budget by more than XLA was seen to
     save; a few compilations); ``None`` when none tried fits."""
-    candidates = loop_schedules(costs, loop_groups(chain), param_bytes(chain, variables), max_period)
+    groups, weights = loop_groups(chain), param_bytes(chain, variables)
+    candidates = loop_schedules(costs, groups, weights, max_period)
     measure = functools.partial(step_temp, chain, variables, sample, policies=policies)
     found = calibrated_pick(
-        candidates, budget_bytes(costs, budget), measure, optimistic=lambda s: int(0.85 * simulate(costs, s.ops)[0])
+        candidates, loop_budget_bytes(costs, groups, weights, budget), measure, optimistic=lambda s: int(0.85 * simulate(costs, s.ops)[0])
     )
     return None if found is None else found.schedule
 
@@ -82,4 +91,4 @@ def least_loop_peak(costs: ChainCosts, groups: list[LoopGroup], weights: list[in
     return min(s.peak for s in loop_schedules(costs, groups, weights, MAX_PERIOD, steps=1))
 
 
-__all__ = ["calibrated_loop_schedule", "least_loop_peak", "loop_schedule", "loop_schedules"]
+__all__ = ["calibrated_loop_schedule", "least_loop_peak", "loop_budget_bytes", "loop_schedule", "loop_schedules"]

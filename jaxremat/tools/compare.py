@@ -1,6 +1,7 @@
 """jaxremat against the ``jax.checkpoint`` strategies JAX users write by hand, measured by XLA.
 
-Every strategy becomes the same training step (loss and gradients of the chain's parameters),
+Every strategy becomes the same training step, the one users run (loss, gradients and an Adam
+update, parameters and optimizer state donated: :func:`jaxremat.api.calibrate.update_step`),
 compiled with :func:`jaxremat.compiler_options` so remat is real on the CPU. For each we record
 XLA's temp memory and total memory (temp + arguments + outputs), compiled flops, compile time
 and the median step wall time; times are measured in interleaved rounds so that drift on a busy
@@ -25,9 +26,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxremat.api.calibrate import calibrated_solve, compile_step, training_step
+from jaxremat.api.calibrate import calibrated_solve, compile_step, measured_optimizer, training_step
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import stage_rngs
 from jaxremat.model.trees import tree_bytes
@@ -112,9 +114,11 @@ class Point:
         return statistics.median(self.times) if self.times else float("nan")
 
 
-def compile_point(point: Point, step: Callable, params: list, x: Any) -> Point:
+def compile_point(point: Point, forward: Forward, per_stage: list, params: list, x: Any) -> Point:
+    """``point`` with the memory, flops and compile time of ``forward``'s update step
+    (:func:`~jaxremat.api.calibrate.compile_step`); its compiled step is kept for timing."""
     t0 = time.perf_counter()
-    compiled = compile_step(step, params, x)
+    compiled = compile_step(forward, per_stage, params, x)
     point.compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     point.temp = int(mem.temp_size_in_bytes)
@@ -128,19 +132,28 @@ def compile_point(point: Point, step: Callable, params: list, x: Any) -> Point:
     return point
 
 
+def fresh_state(params: list) -> tuple[list, Any]:
+    """A copy of ``params`` and a new optimizer state for them: what a compiled update step
+    (which donates both) is first called with."""
+    return jax.tree.map(jnp.copy, params), measured_optimizer().init(params)
+
+
 def time_points(points: Sequence[Point], params: list, x: Any, *, rounds: int = 6, calls: int = 5) -> None:
     """Wall times of every compiled point, in interleaved rounds: each round visits the points
     in a new shuffled order and times ``calls`` consecutive calls of each after one untimed call
-    (so caches are warm and neither drift nor position favours a strategy)."""
+    (so caches are warm and neither drift nor position favours a strategy). Each point's step
+    donates its parameters and optimizer state, so each carries its own copy from call to call."""
     order = np.random.default_rng(0)
+    carried = [fresh_state(params) for _ in points]
     for _ in range(rounds):
         for j in order.permutation(len(points)):
-            p = points[j]
-            jax.block_until_ready(p.compiled(params, x))
+            p, (ps, st) = points[j], carried[j]
+            _, ps, st = jax.block_until_ready(p.compiled(ps, st, x))
             for _ in range(calls):
                 t0 = time.perf_counter()
-                jax.block_until_ready(p.compiled(params, x))
+                _, ps, st = jax.block_until_ready(p.compiled(ps, st, x))
                 p.times.append(time.perf_counter() - t0)
+            carried[j] = (ps, st)
 
 
 # -- the comparison ----------------------------------------------------------------------------------
@@ -256,7 +269,7 @@ def compare(
     for name, fwd in strategies.items():
         if manual is not None and name not in manual and name != "no remat":
             continue
-        points.append(compile_point(Point(name, "manual"), training_step(fwd, per_stage), params, x))
+        points.append(compile_point(Point(name, "manual"), fwd, per_stage, params, x))
         say(f"{name}: temp {points[-1].temp} B, compiled in {points[-1].compile_s:.1f} s")
 
     def run_schedule(point: Point, sched: Schedule) -> Point:
@@ -268,8 +281,7 @@ def compare(
             point.times = src.times  # shared list: filled once when timed
             return point
         f = execute(chain, sched)
-        step = training_step(lambda vs, a: f(chain.merge(vs), a, rngs)[0], per_stage)
-        compile_point(point, step, params, x)
+        compile_point(point, lambda vs, a: f(chain.merge(vs), a, rngs)[0], per_stage, params, x)
         by_ops[key] = point
         say(f"{point.strategy}: temp {point.temp} B (predicted {point.predicted_peak} B), compiled in {point.compile_s:.1f} s")
         return point
