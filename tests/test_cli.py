@@ -21,7 +21,7 @@ def test_demo_trains_under_the_plan_and_compares_with_manual_strategies(capsys):
 
 def test_plan_prints_schedule_saves_plan_and_plots(tmp_path, capsys):
     png, saved = tmp_path / "front.png", tmp_path / "plan.json"
-    args = ["plan", "--model", "gpt", "--input-shape", "2,16", "--method", "xla", "--quiet", "--budget", "40%"]
+    args = ["plan", "--model", "gpt", "--input-shape", "2,16", "--method", "xla", "--quiet", "--budget", "50%"]
     assert main([*args, "--plot", str(png), "--save", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "schedule (optimal)" in out and "revolve" in out and "predicted peak" in out

@@ -33,12 +33,13 @@ def train(chain: Chain, forward: Any, variables: Any, x: Any, steps: int) -> tup
         y = forward({**variables, **params} if isinstance(variables, dict) else params, x)
         return sum(jnp.mean((a.astype(jnp.float32) - t) ** 2) for a, t in zip(jax.tree.leaves(y), jax.tree.leaves(target)))
 
-    @jit
-    def step(params: Any, state: Any) -> tuple[Any, Any, jax.Array]:
+    def update(params: Any, state: Any) -> tuple[Any, Any, jax.Array]:
         loss, g = jax.value_and_grad(loss_fn)(params)
         updates, state = opt.update(g, state, params)
         return optax.apply_updates(params, updates), state, loss
 
+    step = jit(update, donate_argnums=(0, 1))  # the parameters and optimizer state are updated in place
+    params = jax.tree.map(jnp.copy, params)  # the caller's stay usable: these are donated
     state, losses = opt.init(params), []
     params, state, loss = step(params, state)  # compile
     losses.append(float(loss))
