@@ -175,7 +175,8 @@ def main() -> None:
         "Compile time: tracing, lowering and XLA compile of the loss-and-gradients step (the baseline and "
         "the Repeat rows: the best of three, compiled in turn; Sequential rows: one). "
         "Planned overhead: predicted step time over store-all. XLA temp / plan: temp memory of the "
-        "training step over the planned peak (less the input), Repeat rows only.",
+        "training step with its Adam update (parameters and optimizer state donated) over the planned peak "
+        "(less the input), Repeat rows only.",
         "",
         "| step (loss and gradients) | compile time (s) | over nn.scan(nn.remat) | planned time overhead | XLA temp / plan |",
         "|---|---|---|---|---|",

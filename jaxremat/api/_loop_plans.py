@@ -9,7 +9,7 @@ from typing import Any
 from jaxremat.api.calibrate import calibrated_pick, step_temp
 from jaxremat.core.budgets import Budget, parse_budget
 from jaxremat.core.costs import ChainCosts
-from jaxremat.core.loops import MAX_PERIOD, LoopGroup, copy_costs, loop_store_all_peak
+from jaxremat.core.loops import MAX_PERIOD, LoopGroup, copy_costs, loop_store_all_peak, stacked_gradients
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.core.simulator import simulate
 from jaxremat.core.units import format_bytes
@@ -35,6 +35,14 @@ def loop_budget_bytes(costs: ChainCosts, groups: list[LoopGroup], weights: list[
     included (:func:`~jaxremat.core.loops.loop_store_all_peak`), the memory plain autodiff of
     the model as written uses."""
     return parse_budget(budget, loop_store_all_peak(costs, groups, weights))
+
+
+def with_stacked_gradients(chain: Chain, variables: Any, costs: ChainCosts, budget: Budget) -> tuple[ChainCosts, Budget]:
+    """For an algorithm other than ``"optimal"`` on a chain with Repeat layers: ``costs`` with
+    each layer's stacked gradient held (:func:`~jaxremat.core.loops.stacked_gradients`), and
+    ``budget`` in bytes, a share taken of :func:`loop_budget_bytes`'s reference."""
+    groups, weights = loop_groups(chain), param_bytes(chain, variables)
+    return stacked_gradients(costs, groups, weights), loop_budget_bytes(costs, groups, weights, budget)
 
 
 def loop_schedule(chain: Chain, variables: Any, costs: ChainCosts, budget: Budget, slots: int, max_period: int) -> Schedule:
@@ -91,4 +99,7 @@ def least_loop_peak(costs: ChainCosts, groups: list[LoopGroup], weights: list[in
     return min(s.peak for s in loop_schedules(costs, groups, weights, MAX_PERIOD, steps=1))
 
 
-__all__ = ["calibrated_loop_schedule", "least_loop_peak", "loop_budget_bytes", "loop_schedule", "loop_schedules"]
+__all__ = [
+    "calibrated_loop_schedule", "least_loop_peak", "loop_budget_bytes", "loop_schedule", "loop_schedules",
+    "with_stacked_gradients",
+]

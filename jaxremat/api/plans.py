@@ -187,14 +187,17 @@ def make_plan(
             )
         if schedule is None:
             schedule = _loop_plans.loop_schedule(chain, variables, costs, budget, o.slots, o.max_period)
-    elif o.calibrate:
-        measure = functools.partial(step_temp, chain, variables, sample, policies=o.named_policies)
-        schedule = calibrated_solve(costs, budget, measure, algorithm=o.algorithm, slots=o.slots).schedule
-    elif canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
-        bandwidth = o.bandwidth if o.bandwidth is not None else link_bandwidth()
-        schedule = solve(costs, budget, algorithm=o.algorithm, slots=o.slots, bandwidth=bandwidth)
     else:
-        schedule = solve(costs, budget, algorithm=o.algorithm, slots=o.slots)
+        if chain.stacked:  # other algorithms: the schedule as solved, each Repeat's stacked gradient held
+            costs, budget = _loop_plans.with_stacked_gradients(chain, variables, costs, budget)
+        if o.calibrate:
+            measure = functools.partial(step_temp, chain, variables, sample, policies=o.named_policies)
+            schedule = calibrated_solve(costs, budget, measure, algorithm=o.algorithm, slots=o.slots).schedule
+        elif canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
+            bandwidth = o.bandwidth if o.bandwidth is not None else link_bandwidth()
+            schedule = solve(costs, budget, algorithm=o.algorithm, slots=o.slots, bandwidth=bandwidth)
+        else:
+            schedule = solve(costs, budget, algorithm=o.algorithm, slots=o.slots)
     return Plan(schedule, signature(chain, variables, sample))
 
 
