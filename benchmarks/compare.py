@@ -54,7 +54,8 @@ def main() -> None:
         f"below {bench.NOISE:.0%} of the no-remat time are called noise. "
         f"Command: `python benchmarks/compare.py --models {' '.join(args.models)}`",
         "",
-        "How to read it. For each hand-written strategy, jaxremat `\"optimal\"` is given that strategy's "
+        "How to read it. Every strategy is compiled as the step users run: loss, gradients and an Adam update, "
+        "parameters and optimizer state donated. For each hand-written strategy, jaxremat `\"optimal\"` is given that strategy's "
         "XLA-measured temp memory (plus the input, which the plan counts) as its budget twice: *asked* solves "
         "on the profiled cost model alone; *calibrated* (`calibrate=True`) also compiles candidate schedules "
         "and corrects the budget by XLA's measured error until the measured memory fits. A result is a win "
@@ -63,11 +64,12 @@ def main() -> None:
         "a recomputation right before its backward is costed as XLA fuses it (`FB`), so every hand-written "
         "strategy is a schedule the solver can pick. Where *asked* still loses, the reasons seen here: (1) "
         "the cost model predicts a little more memory than XLA uses for the hand-written schedule itself "
-        "(`FB`'s bytes are measured conservatively), so at that strategy's exact memory the solver must pick "
-        "another, slower schedule; (2) XLA's temp for an equivalent schedule differs from the strategy's by a "
-        "few bytes (88 B on the ResNet); (3) on this CPU, steps that allocate less memory can run faster "
-        "than no remat despite extra flops (times below 1.00), which the cost model, counting compute only, "
-        "does not predict.",
+        "(the Mixer's `dots_with_no_batch_dims_saveable` schedule: 1.04x), so at that strategy's exact memory "
+        "the solver must pick another, slower schedule; (2) it predicts a little less (the GPT's store-all "
+        "and `dots_saveable` schedules: XLA also keeps copies of the donated kernels a backward still reads), "
+        "so the plan takes up to 3% more memory than the strategy; (3) on this CPU, steps that allocate less "
+        "memory can run faster than no remat despite extra flops (times below 1.00), which the cost model, "
+        "counting compute only, does not predict.",
         "",
     ]
     (out / "compare.md").write_text("\n".join(head + sections))

@@ -119,7 +119,7 @@ def markdown(cmp: Comparison, plot: str | None = None) -> str:
         f"{cmp.costs.length} stages; input {format_bytes(cmp.input_bytes)}, parameters "
         f"{format_bytes(cmp.params_bytes)}; no-remat step {cmp.baseline.time * 1e3:.1f} ms. "
         f"Times and flops are over no remat; temp is XLA's `temp_size_in_bytes` (total adds arguments "
-        f"and outputs: parameters, input, loss and gradients). jaxremat asked for a manual strategy's "
+        f"and outputs less the donated buffers: parameters, optimizer state, input and loss). jaxremat asked for a manual strategy's "
         f"memory: no slower within that memory for {sum(map(ok, asked))} of {len(asked)}, within it and in no "
         f"more compiled flops for {sum(flops)} of {len(flops)}; calibrated with XLA in the loop: "
         f"{sum(map(ok, cal))} of {len(cal)}.{noise_check(cmp)}",
