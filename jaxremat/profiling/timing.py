@@ -77,7 +77,7 @@ def suspect(fwd_time: float, bwd_time: float, fwd_flops: float, bwd_flops: float
 def check_against_flops(
     programs: dict[str, Program], rounds: int, flops: dict[str, float], backward: dict[str, str]
 ) -> tuple[dict[str, float], list[str]]:
-    """Interleaved medians of ``programs``; every backward (``backward[name]`` is its forward's
+    """Interleaved times of ``programs`` (:func:`interleaved_times`); every backward (``backward[name]`` is its forward's
     name) measured far below its share of flops is timed again with four times the rounds, and
     named in the returned flags if it still is."""
     t = interleaved_times(programs, rounds)
