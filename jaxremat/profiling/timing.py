@@ -77,9 +77,9 @@ def suspect(fwd_time: float, bwd_time: float, fwd_flops: float, bwd_flops: float
 def check_against_flops(
     programs: dict[str, Program], rounds: int, flops: dict[str, float], backward: dict[str, str]
 ) -> tuple[dict[str, float], list[str]]:
-    """Interleaved times of ``programs`` (:func:`interleaved_times`); every backward (``backward[name]`` is its forward's
-    name) measured far below its share of flops is timed again with four times the rounds, and
-    named in the returned flags if it still is."""
+    """Interleaved times of ``programs`` (:func:`interleaved_times`); every backward
+    (``backward[name]`` is its forward's name) measured far below its share of flops is timed
+    again with four times the rounds, and named in the returned flags if it still is."""
     t = interleaved_times(programs, rounds)
     bad = [b for b, f in backward.items() if suspect(t[f], t[b], flops[f], flops[b])]
     flags: list[str] = []
