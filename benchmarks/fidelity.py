@@ -19,29 +19,18 @@ import jax
 
 import jaxremat as jr
 from jaxremat.tools import models as zoo
-from jaxremat.api.calibrate import compile_schedule_step, training_step
+from jaxremat.api.calibrate import compile_schedule_step
 from jaxremat.model.chain import Chain
 from jaxremat import profile
 from jaxremat.profiling import Rates
 from jaxremat.core import simulator
-from profile_fidelity import models  # noqa: E402  (same directory)
+from profile_fidelity import models, returning_temp  # noqa: E402  (same directory)
 
 
 def measure(chain, variables, x, costs, schedule) -> tuple[int, float]:
     """(XLA temp bytes, compiled flops) of a training step that follows ``schedule``."""
     compiled = compile_schedule_step(chain, variables, x, schedule)
     return int(compiled.memory_analysis().temp_size_in_bytes), float(compiled.cost_analysis()["flops"])
-
-
-def returning_temp(chain, variables, x, schedule) -> int:
-    """XLA temp of a step that returns the loss and gradients (no update): XLA may keep
-    activations in the gradient output buffers until each gradient is written, which
-    ``temp_size_in_bytes`` leaves out, so it reads lower than the update step's."""
-    f = jr.execute(chain, schedule)
-    per_layer = chain.layer_variables(variables)
-    step = training_step(lambda vs, a: f(chain.from_layer_variables(vs), a)[0], per_layer)
-    compiled = jr.jit(step).lower([u.get("params", {}) for u in per_layer], x).compile()
-    return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def predicted_flops(costs: jr.ChainCosts, schedule: jr.Schedule) -> float:
@@ -78,7 +67,11 @@ def rows(scale: int = 1, shares=("30%", "50%", "75%"), returning: bool = False):
                 share = f"least ({share / jr.store_all_peak(costs):.0%})"
             temp, flops = measure(chain, v, x, costs, sched)
             pflops = float("nan") if chain.stacked else predicted_flops(costs, sched)  # XLA counts a loop body once
-            ret = returning_temp(chain, v, x, sched) if returning else None
+            ret = None
+            if returning:  # the same schedule in a step that returns the gradients, for comparison
+                f, per = jr.execute(chain, sched), chain.layer_variables(v)
+                ret = returning_temp(lambda vs, a: f(chain.from_layer_variables(vs), a)[0], per,
+                                     [u.get("params", {}) for u in per], x)
             yield label, share, (sched, temp, flops, pflops, int(costs.x[0]), ret), None
 
 

@@ -103,16 +103,6 @@ def _peak(seq: list[str], ranges: dict[str, tuple[int, int]], sizes: dict[str, i
     return live
 
 
-def live_peak(folder: str) -> int:
-    """Peak bytes of the non-parameter buffers (temporaries and outputs) live at once.
-
-    Unlike ``temp_size_in_bytes`` this sees activations that XLA places in an output buffer
-    (a gradient) before the output is written.
-    """
-    seq, ranges = _live_ranges(folder)
-    return max(_peak(seq, ranges, buffer_sizes(folder, ("temp", "output"))))
-
-
 def transient_beyond_inputs(folder: str, outputs: bool = False, reuse: bool | Collection[int] = True) -> int:
     """Peak bytes of a program's temporaries beyond its inputs, crediting inputs freed early.
 
@@ -312,14 +302,5 @@ def transient_bytes(
         if constants is None:
             return compiled, got
         return compiled, got, constant_made_bytes(folder, constants)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def step_memory(fn: Callable, *args: Any, options: dict | None = None) -> tuple[int, int]:
-    """``(temp_size_in_bytes, live_peak)`` of ``jax.jit(fn)(*args)`` compiled for real remat."""
-    compiled, folder = compile_with_dump(fn, *args, options=options)
-    try:
-        return int(compiled.memory_analysis().temp_size_in_bytes), live_peak(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
