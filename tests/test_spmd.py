@@ -33,8 +33,9 @@ def test_per_device_plans_match_xla_and_plain_autodiff(findings, mesh):
     assert any(row["recomputes"] for row in f["rows"])
     r = f["repeat"]  # the same blocks as one jr.Repeat: loops over stacked, sharded variables
     assert r["err"] <= 1e-5 and r["devices"] == 8 and r["recomputes"] and r["no_resharding"] and r["loops"], r
-    # tensor parallel inside a selective loop measures 1.11x (2026-12-01), data parallel 0.68x
-    assert r["temp"] <= (1.10 if mesh == "data parallel" else 1.15) * r["predicted"], r
+    # measured 0.86x data parallel, 0.92x tensor parallel (2026-12-02; 0.68x and 1.11x on
+    # 2026-12-01, with an earlier profiler)
+    assert r["temp"] <= 1.10 * r["predicted"], r
     assert f["remat_fn"]["err"] <= 1e-5 and f["remat_fn"]["per_device"]  # jaxremat.remat plans per device too
 
 
