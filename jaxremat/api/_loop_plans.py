@@ -37,7 +37,9 @@ def loop_budget_bytes(costs: ChainCosts, groups: list[LoopGroup], weights: list[
     return parse_budget(budget, loop_store_all_peak(costs, groups, weights))
 
 
-def with_stacked_gradients(chain: Chain, variables: Any, costs: ChainCosts, budget: Budget) -> tuple[ChainCosts, Budget]:
+def with_stacked_gradients(
+    chain: Chain, variables: Any, costs: ChainCosts, budget: Budget
+) -> tuple[ChainCosts, Budget]:
     """For an algorithm other than ``"optimal"`` on a chain with Repeat layers: ``costs`` with
     each layer's stacked gradient held (:func:`~jaxremat.core.loops.stacked_gradients`), and
     ``budget`` in bytes, a share taken of :func:`loop_budget_bytes`'s reference."""
@@ -78,7 +80,8 @@ def calibrated_loop_schedule(
     candidates = loop_schedules(costs, groups, weights, max_period)
     measure = functools.partial(step_temp, chain, variables, sample, policies=policies)
     found = calibrated_pick(
-        candidates, loop_budget_bytes(costs, groups, weights, budget), measure, optimistic=lambda s: int(0.85 * simulate(costs, s.ops)[0])
+        candidates, loop_budget_bytes(costs, groups, weights, budget), measure,
+        optimistic=lambda s: int(0.85 * simulate(costs, s.ops)[0]),
     )
     return None if found is None else found.schedule
 
