@@ -138,3 +138,39 @@ def test_cpu_warning_only_without_the_compile_option(monkeypatch):
     assert _remat_warnings(lambda: jax.jit(jax.grad(loss), compiler_options={"xla_cpu_enable_fast_math": False})(v))
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1 --xla_disable_hlo_passes=cse_barrier_expander")
     assert not _remat_warnings(lambda: jax.jit(jax.grad(loss))(v))
+
+
+def _kernel_copies(compiled, n_params: int) -> int:
+    """How many kernels (entry parameters of rank 2 or more among the first ``n_params``) the
+    compiled step copies."""
+    import re
+
+    text = compiled.as_text()
+    entry = text[text.index("ENTRY"):]
+    found = re.findall(r"%(\S+) = \w+\[(\d+(?:,\d+)+)\]\S* parameter\((\d+)\)", entry)
+    params = {n for n, _, k in found if int(k) < n_params}
+    return sum(m.group(1) in params for m in re.finditer(r"= \S+ copy\(%([^\s,)]+)\)", entry))
+
+
+def test_stored_stages_make_no_copies_of_donated_kernels():
+    """In the update step (parameters donated), plain autodiff makes XLA copy the kernels a
+    backward reads for its input gradient; the executor's stored stages, whole or under a
+    policy, tie the weight gradient to the input's cotangent, so none is copied."""
+    from jaxremat.api.calibrate import compile_schedule_step, compile_step
+    from jaxremat.core.schedule import Schedule
+    from jaxremat.tools import compare
+
+    x = jnp.ones((32, 64))
+    chain = Chain.from_linen([Block(128), Block(64), Block(128), Block(64)])
+    v = chain.init(jax.random.key(0), x)
+    per = chain.split(v)
+    params = [u.get("params", {}) for u in per]
+    n = len(jax.tree.leaves(params))
+    plain = compile_step(compare.plain(chain), per, params, x)
+    assert _kernel_copies(plain, n) > 0  # what the tie removes
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    L = len(chain)
+    for option in (0, 1):
+        ops = [("Fall", i, option) for i in range(L)] + [("Loss", L)] + [("B", i) for i in reversed(range(L))]
+        sched = Schedule.from_ops(costs, ops, budget=None, algorithm="store_all")
+        assert _kernel_copies(compile_schedule_step(chain, v, x, sched), n) == 0, option

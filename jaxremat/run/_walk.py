@@ -14,6 +14,7 @@ from jaxremat.core.policies import Policy
 from jaxremat.core.tree import Node, RegionUnit, StoreUnit, Unit, offloads_in, units
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs, stage_rngs
+from jaxremat.run._grad_tie import tied_gradients
 from jaxremat.run._offload import offloaded_stage
 from jaxremat.run._regions import tied_checkpoint
 from jaxremat.run._scans import run_offload_loop, run_selective, scan_units
@@ -50,7 +51,10 @@ class Walker:
     def stage(self, i: int, a: Any, updates: dict, env: Env | None, option: int = 0, top: bool = False) -> Any:
         """Stage ``i`` stored under ``option``: 0 keeps every residual, another runs the stage
         under ``jax.checkpoint`` with the option's policy (its backward recomputes the rest).
-        A top-level stage whose bundle or input the schedule offloads keeps them in host memory."""
+        A top-level stage whose bundle or input the schedule offloads keeps them in host memory.
+        A top-level stage after the first ties its parameter gradient to its input's cotangent
+        (:func:`~jaxremat.run._grad_tie.tied_gradients`: no copies of donated kernels); inside a
+        region, the region's own barrier does."""
         apply = self.chain.stages[i].apply
         if option:
             apply = jax.checkpoint(apply, policy=self.policies[(i, option)])
@@ -58,6 +62,8 @@ class Walker:
         if bundle or inputs:
             moved = offloaded_stage(apply, bundle=bundle, inputs=inputs)
             apply = lambda v, a, keys: moved(v, keys, a)  # noqa: E731
+        if env is None and i > 0:  # outermost: an offloaded stage's residuals are those of its own vjp
+            apply = tied_gradients(apply)
         out, new = apply(self.variables(i, env), a, self.keys(i, env))
         if new:
             updates[i] = new
