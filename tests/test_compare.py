@@ -4,7 +4,7 @@ import jax
 import numpy as np
 
 import jaxremat as jr
-from jaxremat.tools import compare
+from jaxremat.tools import bench, compare
 from jaxremat.tools.models import SAMPLES, mixer, sample_input
 from jaxremat.profiling import Rates
 
@@ -43,7 +43,10 @@ def test_comparison_measures_manual_and_jaxremat_points_against_no_remat():
     assert cmp.flops_ratio(by["remat every block"]) > 1.05
     assert cmp.overhead(cmp.baseline) == 1.0
     top = [p for p in cmp.points if p.kind == "jaxremat" and p.budget == jr.store_all_peak(costs)]
-    assert top and top[0].temp == by["no remat"].temp and cmp.flops_ratio(top[0]) == 1.0  # store-all = no remat
+    # store-all runs no remat's computation, in no more memory (its stored stages copy no kernels,
+    # which XLA's flop count also misses: 0.9986 here)
+    assert top and top[0].temp <= by["no remat"].temp and abs(cmp.flops_ratio(top[0]) - 1) < 0.005
+    assert "Noise check" in bench.markdown(cmp)
     matched = cmp.matched()
     assert len(matched) == len(by) - 1
     for manual, asked, calibrated, best in matched:
