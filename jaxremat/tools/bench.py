@@ -96,9 +96,9 @@ def sweep_table(cmp: Comparison) -> list[str]:
 
 
 def noise_check(cmp: Comparison) -> str:
-    """A sentence on timing noise: jaxremat at the store-all budget runs no remat's computation
-    (its memory and XLA's flop count may be a little less: its stored stages make no copies of
-    donated kernels)."""
+    """A sentence on timing noise: jaxremat at the store-all budget runs no remat's computation,
+    in no more memory (less where store options keep less at no extra flops, or where its
+    stored convolutions make no copies of donated kernels)."""
     base = cmp.baseline
     swept = [p for p in cmp.points if p.kind == "jaxremat" and p.times and p.budget is not None]
     if not swept:
@@ -107,7 +107,7 @@ def noise_check(cmp: Comparison) -> str:
     if abs(cmp.flops_ratio(p) - 1) >= 0.005 or p.temp > base.temp:
         return ""
     memory = "the same memory" if p.temp == base.temp else (
-        f"{p.temp / 2**20:.2f} MiB of temp against {base.temp / 2**20:.2f} (no copies of donated kernels)")
+        f"{p.temp / 2**20:.2f} MiB of temp against {base.temp / 2**20:.2f}")
     return (f" Noise check: jaxremat at the store-all budget compiles to no remat's flops "
             f"({cmp.flops_ratio(p):.3f}), in {memory}, and measured {cmp.overhead(p):.2f}.")
 
