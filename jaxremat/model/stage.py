@@ -44,4 +44,13 @@ def any_rngs(stage: Stage) -> Rngs:
     return {s: jax.random.key(0) for s in stage.rng_streams} or None
 
 
-__all__ = ["ApplyFn", "Rngs", "Stage", "Variables", "any_rngs", "stage_rngs"]
+def convolves(fn: Callable, *args: Any) -> bool:
+    """Whether ``fn(*args)`` runs a convolution (read from its jaxpr, sub-jaxprs included).
+
+    The executor ties the weight gradients of stored stages that convolve to their input's
+    cotangent (:mod:`jaxremat.run._grad_tie`), and the profiler counts copies of a kernel in a
+    stage's ``xbar`` only for stages that do not (:func:`jaxremat.profiling.stage.kept_bytes`)."""
+    return "conv_general_dilated" in str(jax.make_jaxpr(fn)(*args))
+
+
+__all__ = ["ApplyFn", "Rngs", "Stage", "Variables", "any_rngs", "convolves", "stage_rngs"]

@@ -12,7 +12,7 @@ from jax import lax
 from jax.extend import core as jax_core
 
 from jaxremat.core.compile import REMAT_OPTIONS
-from jaxremat.model.stage import Stage
+from jaxremat.model.stage import Stage, convolves
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
 from jaxremat.profiling.rates import Rates
 from jaxremat.profiling.timing import check_against_flops
@@ -111,7 +111,8 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape) -> int:
 
     Compiled as forward, an optimisation barrier on (output, cotangent), backward, and read from
     the buffers live across the barrier (:func:`~jaxremat.xla_memory.live_across_barrier`; the
-    stage input's leaves are the activations there).
+    stage input's leaves are the activations there, and its parameters the kernels, unless the
+    stage convolves).
     """
 
     def kept(params, a, rest, rng, cot):
@@ -121,7 +122,10 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape) -> int:
 
     n_params, n_input = len(jax.tree.leaves(params)), len(jax.tree.leaves(a_shape))
     acts = range(n_params, n_params + n_input)
-    return bytes_kept_across_barrier(kept, params, a_shape, rest, rng, cot_shape, activations=acts)[1]
+    # copies of a kernel (a reshaped attention kernel) count unless the stage convolves: the step
+    # users run makes them at its start, the executor's tie prevents them only for convolutions
+    kernels = () if convolves(g, params, a_shape, rest, rng) else range(n_params)
+    return bytes_kept_across_barrier(kept, params, a_shape, rest, rng, cot_shape, activations=acts, parameters=kernels)[1]
 
 
 def scan_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any) -> int:

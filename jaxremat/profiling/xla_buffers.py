@@ -196,7 +196,7 @@ def _values(folder: str) -> dict[str, _Value]:
     return out
 
 
-def live_across_barrier(folder: str, activations: Collection[int] = ()) -> int:
+def live_across_barrier(folder: str, activations: Collection[int] = (), parameters: Collection[int] = ()) -> int:
     """Bytes of the buffers (not parameters) whose live range spans every optimisation barrier.
 
     A buffer computed from entry parameters and constants alone and used only after the barrier
@@ -206,6 +206,13 @@ def live_across_barrier(folder: str, activations: Collection[int] = ()) -> int:
     *instead of* the input. Except when the backward also reads the input itself (of the entry
     parameter numbers ``activations``): then both stay, and the copy counts (measured on a
     ResNet-style block, whose backward reads its input for the skip connection).
+
+    A buffer made from one of the entry parameters ``parameters`` (the stage's kernels: an
+    attention kernel reshaped for its matmul) counts too. In the step users run, the parameters
+    are donated, and XLA makes such a copy of a kernel at the step's start and keeps it until the
+    stage's backward (a 12-block GPT: four 64 KiB copies per block, 3 MiB of the 4.75 its
+    store-all plan missed), unless the stage's weight gradient is tied to its input's cotangent
+    (:mod:`jaxremat.run._grad_tie`).
     """
     seq, ranges = _live_ranges(folder)
     barriers = [i for i, name in enumerate(seq) if name.startswith("optimization_barrier") or name.startswith("opt-barrier")]
@@ -218,6 +225,7 @@ def live_across_barrier(folder: str, activations: Collection[int] = ()) -> int:
     consts = {n for n in leaves if values[n].parameter is None}
     acts = set(activations)
     inputs = {n for n in leaves if values[n].parameter in acts}
+    kernels = {n for n in leaves if values[n].parameter in set(parameters)}
 
     def derived(name: str) -> bool:
         """Computed from leaves alone, no larger than they are, and used only after the barrier.
@@ -244,7 +252,8 @@ def live_across_barrier(folder: str, activations: Collection[int] = ()) -> int:
 
     def movable(key: str) -> bool:
         name = key.split("{")[0]
-        return derived(name) and not any(o in read_after for o in values[name].operands)
+        return (derived(name) and not any(o in read_after for o in values[name].operands)
+                and not any(o in kernels for o in values[name].operands))
 
     sizes = buffer_sizes(folder)
     return sum(
@@ -255,14 +264,15 @@ def live_across_barrier(folder: str, activations: Collection[int] = ()) -> int:
 
 
 def bytes_kept_across_barrier(
-    fn: Callable, *args: Any, options: dict | None = None, activations: Collection[int] = ()
+    fn: Callable, *args: Any, options: dict | None = None, activations: Collection[int] = (),
+    parameters: Collection[int] = (),
 ) -> tuple[Any, int]:
     """Compile ``fn`` (which must hold an optimisation barrier) and return (compiled, bytes kept
     across the barrier; ``activations`` as for :func:`live_across_barrier`, numbered over the
     leaves of ``args``); the dump folder is removed afterwards."""
     compiled, folder = compile_with_dump(fn, *args, options=options)
     try:
-        return compiled, live_across_barrier(folder, activations)
+        return compiled, live_across_barrier(folder, activations, parameters)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

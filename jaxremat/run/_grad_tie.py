@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxremat.model.stage import Rngs
+from jaxremat.model.stage import Rngs, convolves
 
 Apply = Callable[[Any, Any, Rngs], tuple[Any, Any]]
 
@@ -32,11 +32,6 @@ _tie.defvjp(_tie_fwd, _tie_bwd)
 def _inexact(tree: Any) -> bool:
     leaves = jax.tree.leaves(tree)
     return bool(leaves) and all(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves)
-
-
-def _convolves(apply: Apply, variables: Any, a: Any, keys: Rngs) -> bool:
-    """Whether the stage runs a convolution (read from its jaxpr, sub-jaxprs included)."""
-    return "conv_general_dilated" in str(jax.make_jaxpr(lambda v, a: apply(v, a, keys))(variables, a))
 
 
 def tied_gradients(apply: Apply) -> Apply:
@@ -67,7 +62,7 @@ def tied_gradients(apply: Apply) -> Apply:
 
     def tied(variables: Any, a: Any, keys: Rngs) -> tuple[Any, Any]:
         params = variables.get("params") if isinstance(variables, dict) else None
-        if params is None or not jax.tree.leaves(params) or not _inexact(a) or not _convolves(apply, variables, a, keys):
+        if params is None or not jax.tree.leaves(params) or not _inexact(a) or not convolves(lambda v, a: apply(v, a, keys), variables, a):
             return apply(variables, a, keys)
         params, a = _tie(params, a)
         return apply({**variables, "params": params}, a, keys)
