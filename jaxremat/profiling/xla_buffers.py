@@ -225,7 +225,8 @@ def live_across_barrier(folder: str, activations: Collection[int] = (), paramete
     consts = {n for n in leaves if values[n].parameter is None}
     acts = set(activations)
     inputs = {n for n in leaves if values[n].parameter in acts}
-    kernels = {n for n in leaves if values[n].parameter in set(parameters)}
+    params = set(parameters)
+    kernels = {n for n in leaves if values[n].parameter in params}
 
     def derived(name: str) -> bool:
         """Computed from leaves alone, no larger than they are, and used only after the barrier.
