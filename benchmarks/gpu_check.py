@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 import jaxremat as jr
+from jaxremat.api.calibrate import measured_loss
 from jaxremat.profiling.bandwidth import link_bandwidth
 from jaxremat.tools import compare
 from jaxremat.tools.models import gpt, resnet, sample_input
@@ -63,8 +64,8 @@ def costs_of(chain: jr.Chain, v, x) -> jr.ChainCosts:
     """Measured costs on a GPU; on the CPU (``--tiny``, a test of this script) roofline costs,
     which profile in a fraction of the time."""
     if jax.devices()[0].platform == "cpu":
-        return jr.profile(chain, v, x, method="xla", rates=jr.profiling.Rates(1e10, 1e10), quiet=True)
-    return jr.profile(chain, v, x, method="measure", quiet=True)
+        return jr.profile(chain, v, x, method="xla", rates=jr.profiling.Rates(1e10, 1e10), quiet=True, loss=measured_loss)
+    return jr.profile(chain, v, x, method="measure", quiet=True, loss=measured_loss)
 
 
 def prepared(model, shape: tuple, dtype: str, high: int) -> tuple:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxremat as jr
-from jaxremat.api.calibrate import compile_step, training_step
+from jaxremat.api.calibrate import compile_step, measured_loss, training_step
 from jaxremat.model.chain import Chain
 from jaxremat import profile
 from jaxremat.profiling import Rates
@@ -82,7 +82,7 @@ def ratios(label: str, chain: Chain, x) -> list[tuple[str, str, int, int, int]]:
     """(label, schedule, XLA temp, predicted, XLA temp of the gradient-returning step) per
     schedule; XLA temp is that of the update step (:func:`~jaxremat.api.calibrate.update_step`)."""
     v = chain.init(jax.random.key(0), x)
-    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True, loss=measured_loss)
     rows = []
     for remat, alg in ((False, "store_all"), (True, "every_stage")):
         temp, returning = step_temps(chain, v, x, hand_written(chain, remat))

@@ -70,11 +70,11 @@ def plan_options(method: str | None = None, profile: str | None = None, **option
             raise ValueError(f"method={method!r} and profile={profile!r} disagree; give method= only")
         method = profile
     unknown = sorted(set(options) - {"algorithm", "slots", "calibrate", "max_period", "policies", "bandwidth",
-                                     "profile_options"})
+                                     "loss", "profile_options"})
     if unknown:
         raise TypeError(
             f"unknown option(s) {', '.join(unknown)}; the options are algorithm, method, slots, calibrate, max_period, "
-            "policies, bandwidth"
+            "policies, bandwidth, loss"
         )
     return PlanOptions(method=method or "measure", **options)
 
@@ -103,7 +103,7 @@ def plan(
         the store-all peak; required unless ``model`` has its own.
       costs: the chain's costs, when already profiled (no profiling then).
       options: ``algorithm``, ``method``, ``slots``, ``calibrate``, ``max_period``, ``policies``,
-        ``bandwidth`` (:class:`~jaxremat.api.plans.PlanOptions`); other keywords go to
+        ``bandwidth``, ``loss`` (:class:`~jaxremat.api.plans.PlanOptions`); other keywords go to
         :func:`jaxremat.profile` (``cache``, ``repeats``, ``quiet``, ``rates``).
 
     With ``calibrate=True``, XLA measures the compiled step of each candidate schedule and the
@@ -128,7 +128,7 @@ def plan(
             "peak); only a model from jaxremat.remat_chain(budget) has its own"
         )
     chain = model if isinstance(model, Chain) else Chain.from_linen(model)
-    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "profile"}
+    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "loss", "profile"}
     profile_options = {k: v for k, v in options.items() if k not in known}
     return make_plan(
         chain, variables, sample, budget,

@@ -55,6 +55,8 @@ class PlanOptions:
       bandwidth: for ``algorithm="optimal_offload"``: bytes per second of the device-to-host and
         host-to-device links (one number or a pair); ``None`` measures them on a GPU (once,
         cached) and is an error on the CPU, where nothing moves.
+      loss: the loss your step applies to the model's output (``loss(output) -> scalar``); the
+        last stage is then profiled fused with it, as XLA runs it (:func:`jaxremat.profile`).
     """
 
     algorithm: str = "optimal"
@@ -64,6 +66,7 @@ class PlanOptions:
     max_period: int = MAX_PERIOD
     policies: Policies = None
     bandwidth: BandwidthLike | None = None
+    loss: Callable[[Any], Any] | None = field(default=None, compare=False)
     profile_options: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -93,6 +96,8 @@ class PlanOptions:
         if isinstance(self.max_period, bool) or not isinstance(self.max_period, int) or self.max_period < 1:
             raise ValueError(f"max_period must be an int >= 1, got {self.max_period!r}")
         policies_of(self.policies)  # bad policies fail now
+        if self.loss is not None and not callable(self.loss):
+            raise TypeError(f"loss must be a function of the model's output returning a scalar, got {type(self.loss).__name__}")
 
 
 @dataclass(frozen=True)
@@ -177,7 +182,8 @@ def make_plan(
     """Profile ``chain`` (unless ``costs`` are given) and solve for ``budget`` under ``options``
     (what :func:`jaxremat.plan` does for a :class:`~jaxremat.Chain`)."""
     if costs is None:
-        costs = profile(chain, variables, sample, method=options.method, policies=options.policies, **options.profile_options)
+        costs = profile(chain, variables, sample, method=options.method, policies=options.policies, loss=options.loss,
+                        **options.profile_options)
     o = options
     if chain.stacked and canonical(o.algorithm) == "optimal":
         schedule = None

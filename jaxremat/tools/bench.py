@@ -10,6 +10,7 @@ import jax
 
 from jaxremat.model.chain import Chain
 from jaxremat.tools.compare import Comparison, compare
+from jaxremat.api.calibrate import measured_loss
 from jaxremat.profiling.profiler import profile
 from jaxremat.core.units import format_bytes
 
@@ -155,7 +156,7 @@ def run(
     chain = model if isinstance(model, Chain) else Chain.from_linen(model)
     if variables is None:
         variables = model.init(jax.random.key(0), x) if not isinstance(model, Chain) else chain.init(jax.random.key(0), x)
-    costs = profile(chain, variables, x, method=method, quiet=quiet)
+    costs = profile(chain, variables, x, method=method, quiet=quiet, loss=measured_loss)
     say = None if quiet else (lambda s: print("  " + s, flush=True))
     cmp = compare(label, chain, variables, x, costs, rounds=rounds, progress=say, n_budgets=points, manual=manual)
     write_csv(cmp, out_dir / f"{name}.csv")
