@@ -30,9 +30,8 @@ settings.load_profile("ci")
 @st.composite
 def chains(draw, min_len: int = 1, max_len: int = 9, v2: bool = False) -> jr.ChainCosts:
     """Random heterogeneous chains: varied x, xbar up to 20x x, zero temps, tiny sizes. With
-    ``v2``, also measured-looking ``FB`` costs (cheaper than ``Fall; B``, or not), up to two
-    store options per stage (keeping less, backward slower) and outputs their stage's backward
-    does not read (``unread``)."""
+    ``v2``, also measured-looking ``FB`` costs (cheaper than ``Fall; B``, or not) and up to two
+    store options per stage (keeping less, backward slower)."""
     L = draw(st.integers(min_len, max_len))
     scale = draw(st.sampled_from([1, 10, 1000, 10**6]))
     size = st.integers(0, 20).map(lambda v: v * scale)
@@ -61,12 +60,7 @@ def chains(draw, min_len: int = 1, max_len: int = 9, v2: bool = False) -> jr.Cha
             jr.StageOption(f"policy{k}", int(draw(share) * xbar[i]), round(bwd[i] + draw(t), 3), draw(tmp))
             for k in range(n)
         ])
-    # outputs the stage's backward does not read (ChainCosts.unread), at most the smallest bundle
-    unread = [
-        min([x[i + 1], xbar[i]] + [o.xbar for o in options[i]]) if draw(st.booleans()) else 0 for i in range(L)
-    ]
-    return jr.ChainCosts(x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=ftmp, bwd_tmp=btmp, fb=fb, fb_tmp=fb_tmp, options=options,
-                         unread=unread)
+    return jr.ChainCosts(x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=ftmp, bwd_tmp=btmp, fb=fb, fb_tmp=fb_tmp, options=options)
 
 
 def random_chain(rng: np.random.Generator, L: int) -> jr.ChainCosts:

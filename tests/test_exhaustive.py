@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -64,8 +63,6 @@ def test_exhaustive_never_slower_and_optimal_never_below(capsys):
             fwd_tmp=rng.integers(0, 3, L) * 8 * int(rng.integers(0, 2)),
             bwd_tmp=rng.integers(0, 3, L) * 8 * int(rng.integers(0, 2)),
         )
-        if trial % 2:  # outputs their stage's backward does not read
-            costs = dataclasses.replace(costs, unread=np.minimum(costs.x[1:], costs.xbar) * rng.integers(0, 2, L))
         lo, hi = jr.min_budget(costs), jr.store_all_peak(costs)
         for budget in sorted({lo, (lo + hi) // 2, hi}):
             opt = jr.solve(costs, budget)
@@ -138,8 +135,6 @@ def test_persistent_search_matches_the_dp_without_shared_values():
             fwd_tmp=rng.integers(0, 3, L) * 8, bwd_tmp=rng.integers(0, 3, L) * 8,
             held=rng.integers(0, 6, L) * 8 * (trial % 2),
         )
-        if trial % 3 == 0:  # outputs their stage's backward does not read
-            costs = dataclasses.replace(costs, unread=np.minimum(costs.x[1:], costs.xbar) * rng.integers(0, 2, L))
         lo, hi = jr.min_budget(costs, slots=4000), jr.store_all_peak(costs)
         for budget in sorted({lo, (lo + hi) // 2, hi}):
             opt = jr.solve(costs, budget, slots=max(budget - int(costs.x[0]), 1))

@@ -170,34 +170,3 @@ def test_a_loss_that_is_not_a_function_is_refused():
     v = chain.init(jax.random.key(0), x)
     with pytest.raises(TypeError, match="loss must be a function"):
         jr.profile(chain, v, x, method="xla", quiet=True, loss="mse")
-
-
-def test_a_bundle_releases_the_output_its_backward_does_not_read():
-    """A conv block's output is in its bundle for the next block's backward; its own backward
-    does not read it, and XLA frees it before that backward runs (``ChainCosts.unread``). Every
-    block stored under ``dots_saveable``: XLA's temp is the plan's within 2%, where without the
-    credit the plan is over by more."""
-    import dataclasses
-
-    import jax
-    import numpy as np
-
-    import jaxremat as jr
-    from jaxremat.api.calibrate import measured_loss, step_temp
-    from jaxremat.core.ops import Op
-    from jaxremat.model.chain import Chain
-    from jaxremat.profiling import Rates
-    from jaxremat.tools import models as zoo
-
-    x = zoo.sample_input((8, 32, 32, 3))
-    chain = Chain.from_linen(zoo.autoencoder())
-    v = chain.init(jax.random.key(0), x)
-    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True,
-                       policies=("dots_saveable",), loss=measured_loss)
-    assert costs.unread[0] == costs.x[1] > 0
-    ops = [Op("Fall", o.stage, 1 if costs.option_count(o.stage) > 1 else 0) if o.kind == "Fall" else o
-           for o in jr.solve(costs, None).ops]
-    temp = step_temp(chain, v, x, jr.Schedule.from_ops(costs, ops, budget=None, algorithm="dots"))
-    ratio = lambda c: temp / (jr.Schedule.from_ops(c, ops, budget=None, algorithm="dots").peak - int(c.x[0]))  # noqa: E731
-    assert 0.98 <= ratio(costs) <= 1.02, ratio(costs)
-    assert ratio(dataclasses.replace(costs, unread=np.zeros(costs.length, int))) < ratio(costs) - 0.02

@@ -106,27 +106,3 @@ def test_shared_values_count_once_and_held_bytes_until_their_backward():
         jr.simulate(costs, [("Fck", 0), ("Offload", 1, "a")] + ops[1:], bandwidth=1.0)
     held = dataclasses.replace(costs, held=[1, 2, 3, 4])
     assert jr.ChainCosts.from_dict(held.to_dict()) == held
-
-
-def test_b_runs_without_the_output_its_backward_does_not_read():
-    """``unread[i]``: bytes of ``a_{i+1}`` in the bundle that ``B i`` does not read; the backward
-    of stage ``i+1`` released them, so ``B i``'s peak leaves them out. A bundle of little but its
-    output (a policy that saves nothing else) gets no credit; more than the output is refused."""
-    import pytest
-
-    base = dict(x=[8, 40, 40], xbar=[100, 60], fwd=[1.0, 1.0], bwd=[2.0, 2.0], fwd_tmp=[0, 0], bwd_tmp=[5, 5])
-    plain, credited = jr.ChainCosts(**base), jr.ChainCosts(**base, unread=[40, 0])
-    ops = [("Fall", 0), ("Fall", 1), ("Loss", 2), ("B", 1), ("B", 0)]
-
-    def peaks(costs):
-        m = Machine(costs)
-        return [m.step(op) for op in ops]
-
-    # B 0: bundle abar_0 (100) + delta_1 (40) + delta_0 (8) + bwd_tmp (5), less the unread 40
-    assert peaks(plain)[-1] == 153 and peaks(credited)[-1] == 113
-    assert peaks(plain)[:-1] == peaks(credited)[:-1]
-    only_output = jr.ChainCosts(**{**base, "xbar": [40, 60]}, unread=[40, 0])
-    assert peaks(only_output)[-1] == 40 + 40 + 8 + 5
-    with pytest.raises(ValueError, match=r"unread\[0\]"):
-        jr.ChainCosts(**base, unread=[41, 0])
-    assert jr.ChainCosts.from_dict(credited.to_dict()) == credited

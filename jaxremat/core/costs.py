@@ -76,10 +76,6 @@ class ChainCosts:
       held: optional ``L`` bytes that stage ``i``'s backward makes from constants alone (the
         zeros a transposed resize or pooling scatters the input's gradient into): XLA makes
         them at the step's start, so every schedule holds them from then until that backward.
-      unread: optional ``L`` bytes of ``a_{i+1}`` (in every bundle of stage ``i``) that stage
-        ``i``'s own backward does not read (a block ending in a residual add or a matmul): once
-        the backward of stage ``i+1`` (or the loss) has read them, XLA frees them, so ``B i``
-        runs without them. Ignored on chains with shared values.
 
     Arrays are stored as read-only numpy arrays (sizes as ``int64``, times as ``float64``).
     """
@@ -102,7 +98,6 @@ class ChainCosts:
     devices: int = 1  # > 1: the sizes are per device, of a program partitioned over that many
     shared: tuple[Shared, ...] = ()
     held: np.ndarray | None = None
-    unread: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in FIELDS:
@@ -147,17 +142,6 @@ class ChainCosts:
         if len(held) != n:
             raise ValueError(f"ChainCosts.held has {len(held)} entries; expected L = {n} (one per stage)")
         object.__setattr__(self, "held", held)
-        unread = np.zeros(n, np.int64) if self.unread is None else _as_array("unread", self.unread, integral=True)
-        if len(unread) != n:
-            raise ValueError(f"ChainCosts.unread has {len(unread)} entries; expected L = {n} (one per stage)")
-        for i in np.flatnonzero(unread):
-            least = min(self.option(int(i), k).xbar for k in range(self.option_count(int(i))))
-            if unread[i] > min(int(self.x[i + 1]), least):
-                raise ValueError(
-                    f"ChainCosts.unread[{i}] = {unread[i]} bytes, more than stage {i}'s output a_{i + 1} "
-                    f"({int(self.x[i + 1])} bytes) or its smallest bundle ({least} bytes): a bundle holds its output"
-                )
-        object.__setattr__(self, "unread", unread)
         for v in self.shared:  # a bundle holds its output's new shared values
             made = v.first - 1
             for k in range(self.option_count(made)):
@@ -179,26 +163,12 @@ class ChainCosts:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ChainCosts):
             return NotImplemented
-        return self.names == other.names and self.options == other.options and self.shared == other.shared and np.array_equal(self.held, other.held) and np.array_equal(self.unread, other.unread) and all(
+        return self.names == other.names and self.options == other.options and self.shared == other.shared and np.array_equal(self.held, other.held) and all(
             np.array_equal(getattr(self, f), getattr(other, f)) for f in FIELDS + V2_FIELDS
         )
 
     def __hash__(self) -> int:
         return hash(tuple(getattr(self, f).tobytes() for f in FIELDS + V2_FIELDS))
-
-    def unread_credit(self, i: int, xbar: int) -> int:
-        """The bytes ``B i`` runs without when stage ``i``'s bundle keeps ``xbar`` bytes
-        (:attr:`unread`; ``docs/cost_model.md``, ``B``).
-
-        None when the bundle keeps little but the output (less than 1/64 of it beyond it): under a
-        policy that saves nothing else the backward recomputes the whole stage, and XLA may read
-        the kept output there (ResNet blocks under ``dots_with_no_batch_dims_saveable``: the
-        output lives into the recomputation, 1.11x the plan with the credit). Nor on a chain with
-        shared values (a bundle's output may be held by other buffers too)."""
-        out = int(self.x[i + 1])
-        if self.shared or xbar - out <= out // 64:
-            return 0
-        return int(self.unread[i])
 
     @functools.cached_property
     def held_before(self) -> np.ndarray:
@@ -301,8 +271,6 @@ class ChainCosts:
             d["shared"] = [dataclasses.asdict(v) for v in self.shared]
         if self.held.any():
             d["held"] = self.held.tolist()
-        if self.unread.any():
-            d["unread"] = self.unread.tolist()
         return d
 
     @classmethod
@@ -313,7 +281,6 @@ class ChainCosts:
         return cls(
             **{f: d[f] for f in FIELDS}, names=d.get("names"), **{f: d.get(f) for f in OPTIONAL_FIELDS + V2_FIELDS},
             options=d.get("options"), devices=int(d.get("devices", 1)), shared=d.get("shared", ()), held=d.get("held"),
-            unread=d.get("unread"),
         )
 
     @classmethod

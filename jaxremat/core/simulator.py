@@ -303,9 +303,7 @@ class Machine:
             if i not in self.abar:
                 raise fail(f"abar_{i} is not live (stage {i} must run 'Fall' before its backward)")
             xbar, bwd, bwd_tmp = c.option_table[i][self.abar.pop(i)]
-            # the bundle's copy of a_{i+1} that B i does not read died with the backward of stage
-            # i+1 (or the loss), which always runs before B i
-            peak = self.cur + int(c.x[i]) + bwd_tmp - c.unread_credit(i, xbar) + self.P[i]
+            peak = self.cur + int(c.x[i]) + bwd_tmp + self.P[i]
             self.cur -= self._release(("abar", i), xbar)
             self.freed(("abar", i))
             self.time += bwd

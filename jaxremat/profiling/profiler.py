@@ -20,7 +20,7 @@ from jaxremat.profiling.rates import Rates, device_rates
 from jaxremat.profiling.stage import StageProfile, profile_stage
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-PROFILE_VERSION = 16  # 16: the bytes of its output a stage's backward does not read (ChainCosts.unread); 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
+PROFILE_VERSION = 15  # 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
 
 
 @contextlib.contextmanager
@@ -128,7 +128,6 @@ def profile_stages(
         options=[useful_options(p) for p in stages] if measured else None,
         devices=mesh_devices((variables, sample)),
         held=[p.held for p in stages],
-        unread=[p.unread for p in stages],
     )
     return costs, stages
 

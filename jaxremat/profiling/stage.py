@@ -42,7 +42,6 @@ class StageProfile:
     options: tuple["OptionProfile", ...] = ()
     flags: tuple[str, ...] = ()  # measurements to doubt (a backward far below its flops' share)
     held: int = 0  # bytes its backward makes from constants alone: a training step makes them at its start
-    unread: int = 0  # bytes of its output that its own backward does not read (ChainCosts.unread)
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageProfile":
@@ -152,32 +151,6 @@ def scan_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: 
         laid_out = jax.jit(lambda *a: jax.tree.leaves(residuals(*a))).lower(params, a_shape, rest, rng).compile()
         shapes = with_shardings(shapes, list(laid_out.output_shardings))
     return tree_bytes([shapes[n] for n in kept.values()])
-
-
-def unread_output_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, out_shape: Any) -> int:
-    """Bytes of the stage's output that its own backward does not read (``ChainCosts.unread``).
-
-    The output is in the stage's bundle for the next stage's backward; if it is not one of the
-    residuals of the stage's ``jax.vjp`` (a block ending in a residual add, a matmul, a
-    convolution), XLA frees it once the next stage's backward has read it, before this stage's
-    backward runs (measured: a conv autoencoder's blocks under ``dots_saveable``, 2 MiB of each
-    64x64 block's 4 MiB bundle gone before its backward). An output that is the stage's input
-    (a pass-through) is not in the bundle, and a policy never makes the backward read more, so
-    the store-all measurement holds for every option.
-    """
-    def residuals(p, x, r, k):
-        out, pull = jax.vjp(lambda p, x: g(p, x, r, k), p, x)
-        return jax.tree.leaves(pull), jax.tree.leaves(out)
-
-    closed = jax.make_jaxpr(residuals)(params, a_shape, rest, rng)
-    outs = jax.tree.leaves(out_shape)
-    n_out = len(outs)
-    read = {v for v in closed.jaxpr.outvars[: len(closed.jaxpr.outvars) - n_out] if isinstance(v, jax_core.Var)}
-    inputs = set(closed.jaxpr.invars)
-    return sum(
-        tree_bytes(leaf) for v, leaf in zip(closed.jaxpr.outvars[-n_out:], outs)
-        if isinstance(v, jax_core.Var) and v not in read and v not in inputs
-    )
 
 
 def _backward(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_shape: Any, input_grad: bool, scanned: bool):
@@ -330,19 +303,13 @@ def profile_stage(
     grad = tree_bytes(params)
     fb_tmp, bwd_tmp = int(fb_tmp) + grad, int(bwd_tmp) + grad
     opts = {name: (o[0], o[1], o[2] + grad, o[3]) for name, o in opts.items()}
-    x_out = tree_bytes(out_shape)
-    # inside a Repeat's loop the output is carried to the next copy and saved as the loop saves it
-    unread = 0 if scanned else min(unread_output_bytes(g, params, a_shape, rest, rng, out_shape), xbar,
-                                   *(o[0] for o in opts.values()))
-    credit = lambda kept: unread if kept - x_out > x_out // 64 else 0  # noqa: E731  (as ChainCosts.unread_credit)
     if loss is not None:
-        # measured with the loss, the backward's peak already holds what it holds of a_L
-        fused = _with_loss(g, loss, params, a_shape, rest, rng, input_grad, x_out)
-        bwd_tmp = max(bwd_tmp, fused(g) - xbar + credit(xbar))
+        fused = _with_loss(g, loss, params, a_shape, rest, rng, input_grad, tree_bytes(out_shape))
+        bwd_tmp = max(bwd_tmp, fused(g) - xbar)
         # not fb_tmp: the head recomputed for its backward, fused with the loss, held 0.25 MiB more
         # than FB measured alone on the GPT, but an MLP layer's held one activation (4 MiB) more
         # compiled alone than in the whole step (its 30% plan: XLA at 0.89 of the prediction)
-        opts = {name: (o[0], o[1], max(o[2], fused(jax.checkpoint(g, policy=policies[name])) - o[0] + credit(o[0])), o[3])
+        opts = {name: (o[0], o[1], max(o[2], fused(jax.checkpoint(g, policy=policies[name])) - o[0]), o[3])
                 for name, o in opts.items()}
     shape_txt = str(jax.tree.map(lambda s: tuple(s.shape), out_shape))
     return StageProfile(
@@ -350,7 +317,6 @@ def profile_stage(
         fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp,
         fwd_flops=ff, bwd_flops=bf, fwd_bytes=fbytes, bwd_bytes=bb, fwd_time=ft, bwd_time=bt,
         fb_time=fbt, fb_tmp=int(fb_tmp), fb_flops=fbf, held=int(held),
-        unread=int(unread),
         options=tuple(
             OptionProfile(name, o[0], o[2], costs[name][0], costs[name][1], opt_t[name]) for name, o in opts.items()
         ),
@@ -358,4 +324,4 @@ def profile_stage(
     )
 
 
-__all__ = ["OptionProfile", "StageProfile", "kept_bytes", "profile_stage", "scan_residual_bytes", "unread_output_bytes"]
+__all__ = ["OptionProfile", "StageProfile", "kept_bytes", "profile_stage", "scan_residual_bytes"]

@@ -81,17 +81,13 @@ def extend(costs: ChainCosts) -> SlotChain:
     loss[0] = True
     exists = np.concatenate([exists, loss], axis=1)
     pad = lambda a, dtype: np.concatenate([a, np.zeros((K, 1), dtype)], axis=1)  # noqa: E731
-    credit = np.array([[costs.unread_credit(i, int(xbar[k, i])) if exists[k, i] else 0 for i in range(costs.length)]
-                       for k in range(K)], np.int64).reshape(K, costs.length)
     return SlotChain(
         L=costs.length,
         slots=None,
         x=np.concatenate([costs.x, z]),
         xbar=np.where(exists, pad(xbar, np.int64), ABSENT),
         fwd_tmp=np.concatenate([costs.fwd_tmp, z]),
-        # B s runs without the bundle's unread output (ChainCosts.unread): a credit on its
-        # transient bytes, which may make them negative (discretise rounds the difference up)
-        bwd_tmp=np.where(exists, pad(bwd_tmp - credit, np.int64), ABSENT),
+        bwd_tmp=np.where(exists, pad(bwd_tmp, np.int64), ABSENT),
         fwd=np.concatenate([costs.fwd, zf]),
         bwd=np.where(exists, pad(bwd, np.float64), np.inf),
         fb=np.concatenate([costs.fb, zf]),
