@@ -35,9 +35,6 @@ def measured_loss(out: Any) -> jax.Array:
     return sum(jnp.mean(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(out))
 
 
-_loss = measured_loss
-
-
 def training_step(forward: Callable[[list, Any], Any], per_stage: list) -> Callable[[list, Any], tuple[jax.Array, list]]:
     """``step(params, x) -> (loss, grads)`` for a forward over per-stage variables; the loss is the
     mean square of the output (memory and time depend on what is kept, not on the loss)."""
@@ -45,7 +42,7 @@ def training_step(forward: Callable[[list, Any], Any], per_stage: list) -> Calla
 
     def step(params: list, x: Any) -> tuple[jax.Array, list]:
         def loss(params: list) -> jax.Array:
-            return _loss(forward([{**r, "params": p} for r, p in zip(rest, params)], x))
+            return measured_loss(forward([{**r, "params": p} for r, p in zip(rest, params)], x))
 
         return jax.value_and_grad(loss)(params)
 

@@ -21,7 +21,7 @@ from jaxremat.core.transfers import Bandwidth, BandwidthLike
 from jaxremat.model.chain import Chain
 from jaxremat.model.identity import leaf_signature, stage_identity
 from jaxremat.profiling.bandwidth import link_bandwidth
-from jaxremat.profiling.profiler import profile
+from jaxremat.profiling.profiler import check_loss, profile
 from jaxremat.run.executor import execute
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical, solve
 
@@ -96,8 +96,7 @@ class PlanOptions:
         if isinstance(self.max_period, bool) or not isinstance(self.max_period, int) or self.max_period < 1:
             raise ValueError(f"max_period must be an int >= 1, got {self.max_period!r}")
         policies_of(self.policies)  # bad policies fail now
-        if self.loss is not None and not callable(self.loss):
-            raise TypeError(f"loss must be a function of the model's output returning a scalar, got {type(self.loss).__name__}")
+        check_loss(self.loss)
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,7 @@ def profile_stages(
     use_disk = disk_cache.enabled(cache)
     measured = policies_of(policies)
     policy_keys = [(name, closure_key(p)) for name, p in measured.items()]
-    if loss is not None and not callable(loss):
-        raise TypeError(f"loss must be a function of the chain's output returning a scalar, got {type(loss).__name__}")
+    check_loss(loss)
     last = len(chain) - 1
     seen: dict[str, StageProfile] = {}  # identical stages are measured once
     stages: list[StageProfile] = []
@@ -149,6 +148,12 @@ def useful_options(p: StageProfile) -> tuple[StageOption, ...]:
     return tuple(o for k, o in enumerate(every) if k > 0 and not beaten(k))
 
 
+def check_loss(loss: Any) -> None:
+    """Refuse a ``loss=`` that is not a function (``None`` is: the last stage measured alone)."""
+    if loss is not None and not callable(loss):
+        raise TypeError(f"loss must be a function of the model's output returning a scalar, got {type(loss).__name__}")
+
+
 def profile(chain: Chain, variables: Any, sample: Any, **options: Any) -> ChainCosts:
     """The :class:`~jaxremat.ChainCosts` of ``chain``; ``options`` as for :func:`profile_stages`
     (``method``, ``rates``, ``repeats``, ``cache``, ``quiet``, ``policies``)."""
@@ -173,4 +178,4 @@ def report(stages: list[StageProfile]) -> str:
     return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows] + tail)
 
 
-__all__ = ["PROFILE_VERSION", "profile", "profile_stages", "report"]
+__all__ = ["PROFILE_VERSION", "check_loss", "profile", "profile_stages", "report"]
