@@ -204,3 +204,23 @@ def test_short_programs_are_timed_over_several_calls_per_round():
     assert timing._calls(tiny, (x,)) > 1
     t = timing.interleaved_times({"tiny": (tiny, (x,))}, rounds=3)["tiny"]
     assert 0 < t < timing.ROUND_SECONDS
+
+
+def test_function_keys_are_the_same_in_every_process_and_tell_functions_apart():
+    """Stage and loss keys (the disk cache's, a plan's signature) come from a function's code: a
+    lambda or comprehension inside it is compiled anew per process with a new address in its
+    ``repr``, so the key must not read that; and two functions whose bytecode differs only in the
+    names they call (``jnp.sum`` against ``jnp.mean``) must not share one."""
+    from jaxremat.model.identity import closure_key, function_key
+
+    source = "def loss(out):\n    return sum(jnp.mean(leaf ** 2) for leaf in jax.tree.leaves(out))\n"
+
+    def fresh(src):  # the same source compiled again: what another process sees
+        scope = {"jnp": jnp, "jax": jax}
+        exec(compile(src, "<model>", "exec"), scope)
+        return scope["loss"]
+
+    a, b = fresh(source), fresh(source)
+    assert a.__code__ is not b.__code__ and function_key(a) == function_key(b) and closure_key(a) == closure_key(b)
+    assert function_key(fresh(source.replace("jnp.mean", "jnp.sum"))) != function_key(a)
+    assert function_key(lambda x: jnp.tanh(x)) != function_key(lambda x: jnp.sin(x))

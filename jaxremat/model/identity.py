@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import types
 from typing import Any, Callable
 
 import jax
@@ -17,10 +18,32 @@ import numpy as np
 from jaxremat.model.stage import Stage
 
 
+def _digest_code(code: types.CodeType, h: Any) -> None:
+    """Feed ``code`` to the hash ``h``: its bytecode, the names it reads (``jnp.sum`` and
+    ``jnp.mean`` compile to the same bytecode and differ in ``co_names`` alone) and its constants,
+    nested code objects (lambdas, comprehensions) by their own contents: their ``repr`` holds a
+    memory address, which differs from process to process and would miss the disk cache."""
+    h.update(code.co_code)
+    h.update(repr(code.co_names).encode())
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            _digest_code(c, h)
+        elif isinstance(c, frozenset):  # `x in {"a", "b"}`: its order follows the string hash seed
+            h.update(repr(sorted(map(repr, c))).encode())
+        else:
+            h.update(repr(c).encode())
+
+
 def function_key(fn: Callable) -> str:
-    """A plain function's structure: its qualified name and a hash of its code and constants."""
+    """A plain function's structure: its qualified name and a hash of its code (bytecode, names
+    and constants), the same in every process."""
     code = getattr(fn, "__code__", None)
-    body = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else repr(fn)
+    if code is None:
+        body = repr(fn)
+    else:
+        h = hashlib.sha256()
+        _digest_code(code, h)
+        body = h.hexdigest()[:16]
     return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}:{body}"
 
 
