@@ -1,5 +1,6 @@
-"""Run by tests/test_spmd.py in a subprocess with 8 CPU devices: plans on a data-parallel and a
-tensor-parallel mesh, checked against the plain step; prints one JSON line of findings."""
+"""Run by tests/test_spmd.py and tests/test_spmd_tensor.py in a subprocess with 8 CPU devices:
+plans on a data-parallel or a tensor-parallel mesh, checked against the plain step; prints one
+JSON line of findings."""
 
 from __future__ import annotations
 
@@ -215,14 +216,19 @@ def between(net, v, x, costs) -> dict:
                 report="per device" in loose.report())
 
 
-def main() -> None:
+def main(part: str) -> None:
+    """``part``: ``"data"`` (the data-parallel mesh and the explicit one) or ``"tensor"``; two
+    processes, so that the test suite's two workers run them side by side."""
     devices = np.array(jax.devices())
     assert len(devices) == 8, devices
-    out = [run("data parallel", Mesh(devices, ("data",)), False),
-           run("tensor parallel", Mesh(devices.reshape(2, 4), ("data", "model")), True),
-           dict(name="explicit", **explicit(devices))]
+    if part == "data":
+        out = [run("data parallel", Mesh(devices, ("data",)), False), dict(name="explicit", **explicit(devices))]
+    elif part == "tensor":
+        out = [run("tensor parallel", Mesh(devices.reshape(2, 4), ("data", "model")), True)]
+    else:
+        raise SystemExit(f"usage: spmd_child.py data|tensor (got {part!r})")
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else ""))

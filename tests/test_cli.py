@@ -7,7 +7,7 @@ import pytest
 import jaxremat as jr
 from jaxremat.tools.cli import main
 
-SMALL = ["--model", "mixer", "--input-shape", "2,8,8,3", "--method", "xla", "--quiet"]
+SMALL = ["--model", "tests.cli_models:mixer", "--input-shape", "2,8,8,3", "--method", "xla", "--quiet"]
 
 
 def test_demo_trains_under_the_plan_and_compares_with_manual_strategies(capsys):
@@ -32,13 +32,13 @@ def test_plan_prints_schedule_saves_plan_and_plots(tmp_path, capsys):
 
 
 def test_bench_writes_csv_markdown_and_plot(tmp_path, capsys):
-    args = ["bench", "--model", "resnet", "--input-shape", "2,8,8,3", "--method", "xla", "--quiet", "--rounds", "1"]
+    args = ["bench", "--model", "tests.cli_models:resnet", "--input-shape", "2,8,8,3", "--method", "xla", "--quiet", "--rounds", "1"]
     assert main([*args, "--points", "2", "--manual", "policy dots_saveable", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| policy dots_saveable |" in out and "jaxremat optimal" in out and "remat every block" not in out
-    csv = (tmp_path / "resnet.csv").read_text()
+    csv = (tmp_path / "tests_cli_models_resnet.csv").read_text()
     assert "policy dots_saveable" in csv and ",matched," in csv and ",calibrated," in csv
-    assert (tmp_path / "resnet.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "tests_cli_models_resnet.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize(

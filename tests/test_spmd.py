@@ -1,6 +1,8 @@
 """Plans under jax.sharding meshes (8 CPU devices, in a subprocess so the rest of the suite keeps
 one device): per-device sizes, exact gradients, the plain step's collectives, inside jax.jit with
-in_shardings and out_shardings, for remat_chain, remat_nnx, jaxremat.remat and offload plans."""
+in_shardings and out_shardings, for remat_chain, remat_nnx, jaxremat.remat and offload plans. The
+data-parallel mesh here, the tensor-parallel one in test_spmd_tensor.py (its own process, so the
+suite's two workers run both at once)."""
 
 from __future__ import annotations
 
@@ -13,18 +15,23 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(scope="module")
-def findings():
+def run_child(part: str) -> dict:
+    """The findings of ``spmd_child.py part``, by mesh name."""
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
     child = Path(__file__).with_name("spmd_child.py")
-    out = subprocess.run([sys.executable, str(child)], capture_output=True, text=True, env=env, timeout=900)
+    out = subprocess.run([sys.executable, str(child), part], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return {r["name"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
 
 
-@pytest.mark.parametrize("mesh", ["data parallel", "tensor parallel"])
-def test_per_device_plans_match_xla_and_plain_autodiff(findings, mesh):
-    f = findings[mesh]
+@pytest.fixture(scope="module")
+def findings():
+    return run_child("data")
+
+
+def check_mesh(f: dict) -> None:
+    """A mesh's plans: per-device sizes, exact gradients, XLA within 1.10x the plan, the plain
+    step's collectives, for the main rows, its Repeat and jaxremat.remat."""
     assert f["x1"] < f["x_global"]  # activations counted per device
     for row in f["rows"]:
         assert row["err"] <= 1e-5, row
@@ -37,6 +44,10 @@ def test_per_device_plans_match_xla_and_plain_autodiff(findings, mesh):
     # 2026-12-01, with an earlier profiler)
     assert r["temp"] <= 1.10 * r["predicted"], r
     assert f["remat_fn"]["err"] <= 1e-5 and f["remat_fn"]["per_device"]  # jaxremat.remat plans per device too
+
+
+def test_per_device_plans_match_xla_and_plain_autodiff(findings):
+    check_mesh(findings["data parallel"])
 
 
 def test_data_parallel_plain_collectives_exactly_and_other_entry_points(findings):
