@@ -51,14 +51,22 @@ def _grads(f, variables, x, rngs):
     return jax.value_and_grad(loss, has_aux=True)(params)
 
 
-@pytest.mark.parametrize("share,scan", [(0.0, False), (0.5, False), (1.0, False), (0.0, True), (0.5, True)])
-def test_gradients_dropout_and_batch_stats_match_plain_autodiff(share, scan):
+@pytest.fixture(scope="module")
+def noisy():
+    """Six stages with parameters, batch statistics and dropout, profiled once for the module;
+    the plain step's loss, output, updates and gradients."""
     chain = Chain.from_linen([Noisy() for _ in range(6)], mutable=("batch_stats",), rng_streams=("dropout",))
     x = jax.random.normal(jax.random.key(1), (8, 16))
     v = chain.init(jax.random.key(0), x)
     rngs = {"dropout": jax.random.key(7)}
     costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
-    (ref_loss, (ref_out, ref_upd)), ref_g = jax.jit(lambda v, x: _grads(plain_forward(chain), v, x, rngs))(v, x)
+    ref = jax.jit(lambda v, x: _grads(plain_forward(chain), v, x, rngs))(v, x)
+    return chain, x, v, rngs, costs, ref
+
+
+@pytest.mark.parametrize("share,scan", [(0.0, False), (0.5, False), (1.0, False), (0.0, True), (0.5, True)])
+def test_gradients_dropout_and_batch_stats_match_plain_autodiff(noisy, share, scan):
+    chain, x, v, rngs, costs, ((ref_loss, (ref_out, ref_upd)), ref_g) = noisy
     lo, hi = jr.min_budget(costs), jr.store_all_peak(costs)
     budget = int(lo + share * (hi - lo))
     ran = []
