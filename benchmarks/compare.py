@@ -50,8 +50,9 @@ def main() -> None:
         "",
         f"Measured {datetime.date.today().isoformat()} on a 2-core CPU VM, jax {jax.__version__}, every step compiled "
         "with `cse_barrier_expander` disabled, costs profiled with `method=\"measure\"`. Step times are medians of "
-        f"{args.rounds} interleaved rounds x 5 calls; on this machine they vary by up to ±9% between runs (see each model's noise check), so differences "
-        f"below {bench.NOISE:.0%} of the no-remat time are called noise. "
+        f"{args.rounds} interleaved rounds x 5 calls; on this machine they vary by up to ±9% between runs, so differences "
+        f"below the larger of {bench.NOISE:.0%} of the no-remat time and the spread measured in the same run between "
+        "strategies that compile to the same program (each model's noise check) are called noise. "
         f"Command: `python benchmarks/compare.py --models {' '.join(args.models)}`",
         "",
         "How to read it. Every strategy is compiled as the step users run: loss, gradients and an Adam update, "
@@ -62,14 +63,13 @@ def main() -> None:
         "when jaxremat is no slower (within noise) in no more memory. Each stage can also be stored under "
         "`dots_saveable` or `dots_with_no_batch_dims_saveable` (store options, measured by the profiler), and "
         "a recomputation right before its backward is costed as XLA fuses it (`FB`), so every hand-written "
-        "strategy is a schedule the solver can pick. Where *asked* still loses, the reasons seen here: (1) "
-        "the cost model predicts a little more memory than XLA uses for the hand-written schedule itself "
-        "(the Mixer's `dots_with_no_batch_dims_saveable` schedule: 1.04x), so at that strategy's exact memory "
-        "the solver must pick another, slower schedule; (2) it predicts a little less (the GPT's store-all "
-        "and `dots_saveable` schedules: 4.7% and 2.4% under XLA), "
-        "so the plan takes up to 3% more memory than the strategy; (3) on this CPU, steps that allocate less "
-        "memory can run faster than no remat despite extra flops (times below 1.00), which the cost model, "
-        "counting compute only, does not predict.",
+        "strategy is a schedule the solver can pick. Where *asked* still loses, the reasons seen so far "
+        "(`docs/benchmarks.md` has the numbers): (1) the cost model predicts a little more memory than XLA uses for "
+        "the hand-written schedule itself, so at that strategy's exact memory the solver must pick another, slower "
+        "schedule; (2) it predicts a little less for the schedule it picks (by 1-3% where the peak is at a GPT's LM "
+        "head fused with the loss), so the plan takes a little more memory than the strategy; (3) on this CPU, "
+        "steps that allocate less memory can run faster than no remat despite extra flops (times below 1.00), which "
+        "the cost model, counting compute only, does not predict.",
         "",
     ]
     (out / "compare.md").write_text("\n".join(head + sections))

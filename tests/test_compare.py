@@ -34,7 +34,7 @@ def test_every_manual_strategy_gives_the_plain_loss_and_gradients():
 def test_comparison_measures_manual_and_jaxremat_points_against_no_remat():
     _, chain, v, x = small_mixer()
     costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True)
-    manual = ("remat every block", "policy dots_saveable")
+    manual = ("remat every block", "policy nothing_saveable", "policy dots_saveable")
     cmp = compare.compare("mixer", chain, v, x, costs, budgets=["40%", None], algorithms=("optimal",), rounds=1,
                           manual=manual)
     by = {p.strategy: p for p in cmp.points if p.kind == "manual"}
@@ -47,6 +47,14 @@ def test_comparison_measures_manual_and_jaxremat_points_against_no_remat():
     # which XLA's flop count also misses: 0.9986 here)
     assert top and top[0].temp <= by["no remat"].temp and abs(cmp.flops_ratio(top[0]) - 1) < 0.005
     assert "Noise check" in bench.markdown(cmp)
+    # nn.remat on every block is nothing_saveable per block: one program, timed twice, which
+    # measures this run's timing noise, the tolerance of its time verdicts
+    same, plain = by["remat every block"].program, by["no remat"].program
+    assert same == by["policy nothing_saveable"].program and same != plain and by["policy dots_saveable"].program != same
+    spread, names = cmp.identical_spread()  # the widest such group's (here the only one, or no remat's)
+    assert len(names) >= 2
+    assert spread >= abs(cmp.overhead(by["remat every block"]) - cmp.overhead(by["policy nothing_saveable"]))
+    assert bench.tolerance(cmp) == max(bench.NOISE, spread) and "Identical programs" in bench.markdown(cmp)
     matched = cmp.matched()
     assert len(matched) == len(by) - 1
     for manual, asked, calibrated, best in matched:

@@ -19,6 +19,7 @@ Manual strategies (per "block" = per stage of the chain):
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 import time
@@ -108,6 +109,7 @@ class Point:
     matches: str | None = None  # matched/calibrated: the manual strategy whose memory was the budget
     note: str = ""
     compiled: Any = field(default=None, repr=False)
+    program: str = ""  # a hash of the compiled program's text: points with equal ones run the same code
 
     @property
     def time(self) -> float:
@@ -129,6 +131,9 @@ def compile_point(point: Point, forward: Forward, per_stage: list, params: list,
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     point.flops = float(cost.get("flops", float("nan")))
     point.compiled = compiled
+    # the module's name and metadata differ between strategies that compile to the same code
+    text = "\n".join(line.split(", metadata=")[0] for line in compiled.as_text().splitlines() if not line.startswith("HloModule"))
+    point.program = hashlib.sha256(text.encode()).hexdigest()[:16]
     return point
 
 
@@ -178,6 +183,23 @@ class Comparison:
 
     def flops_ratio(self, p: Point) -> float:
         return p.flops / self.baseline.flops
+
+    def identical_spread(self) -> tuple[float, list[str]]:
+        """Timing noise measured in this run: the largest difference of step time over no remat
+        between points that compiled to the same program (say ``remat every block`` and ``policy
+        nothing_saveable``, or jaxremat at the store-all budget and no remat), and those points;
+        ``(0.0, [])`` when no two did. Measured separately, each is the same computation."""
+        by_program: dict[str, list[Point]] = {}
+        for p in self.points:
+            if p.times and p.program and not any(p.times is q.times for q in by_program.get(p.program, [])):
+                by_program.setdefault(p.program, []).append(p)
+        spread, names = 0.0, []
+        for group in by_program.values():
+            if len(group) > 1:
+                ratios = [self.overhead(p) for p in group]
+                if max(ratios) - min(ratios) > spread:
+                    spread, names = max(ratios) - min(ratios), [p.strategy for p in group]
+        return spread, names
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per point, for CSV and tables."""
@@ -277,7 +299,7 @@ def compare(
         if key in by_ops:  # same ops: reuse the measurement
             src = by_ops[key]
             point = replace(point, temp=src.temp, total=src.total, flops=src.flops, compile_s=src.compile_s,
-                            compiled=None, note=(point.note + f" same schedule as {src.strategy}").strip())
+                            compiled=None, program=src.program, note=(point.note + f" same schedule as {src.strategy}").strip())
             point.times = src.times  # shared list: filled once when timed
             return point
         f = execute(chain, sched)
