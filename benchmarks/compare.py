@@ -50,7 +50,8 @@ def main() -> None:
         "",
         f"Measured {datetime.date.today().isoformat()} on a 2-core CPU VM, jax {jax.__version__}, every step compiled "
         "with `cse_barrier_expander` disabled, costs profiled with `method=\"measure\"`. Step times are medians of "
-        f"{args.rounds} interleaved rounds x 5 calls; on this machine they vary by up to ±9% between runs, so differences "
+        f"{args.rounds} interleaved rounds x 5 calls; on this machine they vary by up to ±9% between runs, so "
+        "differences "
         f"below the larger of {bench.NOISE:.0%} of the no-remat time and the spread measured in the same run between "
         "strategies that compile to the same program (each model's noise check) are called noise. "
         f"Command: `python benchmarks/compare.py --models {' '.join(args.models)}`",

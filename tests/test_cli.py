@@ -32,7 +32,8 @@ def test_plan_prints_schedule_saves_plan_and_plots(tmp_path, capsys):
 
 
 def test_bench_writes_csv_markdown_and_plot(tmp_path, capsys):
-    args = ["bench", "--model", "tests.cli_models:resnet", "--input-shape", "2,8,8,3", "--method", "xla", "--quiet", "--rounds", "1"]
+    args = ["bench", "--model", "tests.cli_models:resnet", "--input-shape", "2,8,8,3", "--method", "xla", "--quiet",
+            "--rounds", "1"]
     assert main([*args, "--points", "2", "--manual", "policy dots_saveable", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| policy dots_saveable |" in out and "jaxremat optimal" in out and "remat every block" not in out

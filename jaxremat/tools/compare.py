@@ -132,7 +132,8 @@ def compile_point(point: Point, forward: Forward, per_stage: list, params: list,
     point.flops = float(cost.get("flops", float("nan")))
     point.compiled = compiled
     # the module's name and metadata differ between strategies that compile to the same code
-    text = "\n".join(line.split(", metadata=")[0] for line in compiled.as_text().splitlines() if not line.startswith("HloModule"))
+    lines = compiled.as_text().splitlines()
+    text = "\n".join(line.split(", metadata=")[0] for line in lines if not line.startswith("HloModule"))
     point.program = hashlib.sha256(text.encode()).hexdigest()[:16]
     return point
 
@@ -299,7 +300,8 @@ def compare(
         if key in by_ops:  # same ops: reuse the measurement
             src = by_ops[key]
             point = replace(point, temp=src.temp, total=src.total, flops=src.flops, compile_s=src.compile_s,
-                            compiled=None, program=src.program, note=(point.note + f" same schedule as {src.strategy}").strip())
+                            compiled=None, program=src.program,
+                            note=(point.note + f" same schedule as {src.strategy}").strip())
             point.times = src.times  # shared list: filled once when timed
             return point
         f = execute(chain, sched)
