@@ -281,3 +281,15 @@ def test_a_repeat_layer_stored_under_a_policy_runs_as_a_loop_exactly():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), g, ref)
     step = str(jax.make_jaxpr(as_planned(jax.grad(loss(f))))(v))
     assert "scan" in step and "remat" in step  # one loop over the copies, each under its policy
+
+
+def test_fb_time_is_at_most_fall_and_b_with_the_forward_it_still_runs():
+    from jaxremat.profiling.stage import fused_time
+
+    # timed alone, FB came out slower than Fall; B while running 0.91 of their flops (a GPT block:
+    # forward 0.24, backward 0.477 GFLOP): its bound keeps the backward and 0.73 of the forward
+    assert fused_time(8.5, 2.7, 5.4, 0.6525, 0.24, 0.477) == pytest.approx(5.4 + 2.7 * 0.1755 / 0.24)
+    assert fused_time(6.0, 2.7, 5.4, 0.6525, 0.24, 0.477) == 6.0  # a faster measurement stands
+    assert fused_time(9.0, 2.7, 5.4, 1.2, 0.24, 0.477) == pytest.approx(8.1)  # never above Fall; B
+    assert fused_time(9.0, 2.7, 5.4, 0.3, 0.24, 0.477) == pytest.approx(5.4)  # nor below B's own time
+    assert fused_time(9.0, 2.7, 5.4, 0.0, 0.0, 0.0) == pytest.approx(8.1)  # flops unknown: Fall; B
