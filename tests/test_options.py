@@ -293,3 +293,23 @@ def test_fb_time_is_at_most_fall_and_b_with_the_forward_it_still_runs():
     assert fused_time(9.0, 2.7, 5.4, 1.2, 0.24, 0.477) == pytest.approx(8.1)  # never above Fall; B
     assert fused_time(9.0, 2.7, 5.4, 0.3, 0.24, 0.477) == pytest.approx(5.4)  # nor below B's own time
     assert fused_time(9.0, 2.7, 5.4, 0.0, 0.0, 0.0) == pytest.approx(8.1)  # flops unknown: Fall; B
+
+
+def test_an_option_that_recomputes_less_is_kept_whatever_its_timing():
+    """Two policies' backwards can time within noise of each other (a GPT block's under
+    ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``): the one with fewer flops stays an
+    option even where the other measured no slower, smaller and with no more transient bytes."""
+    from jaxremat.profiling.profiler import useful_options
+    from jaxremat.profiling.stage import OptionProfile, StageProfile
+
+    stage = dict(name="b", kind="Block", out_shape="(4,)", x_out=4, xbar=100, fwd_tmp=0, bwd_tmp=10,
+                 fwd_flops=1.0, bwd_flops=2.0, fwd_bytes=0.0, bwd_bytes=0.0, fwd_time=1.0, bwd_time=2.0)
+    # OptionProfile(name, xbar, bwd_tmp, bwd_flops, bwd_bytes, bwd_time)
+    fewer = OptionProfile("dots_saveable", 40, 12, 2.5, 0.0, 2.6)  # recomputes less, timed slower
+    smaller = OptionProfile("dots_with_no_batch_dims_saveable", 20, 12, 3.0, 0.0, 2.5)
+    kept = useful_options(StageProfile(**stage, options=(fewer, smaller)))
+    assert [o.name for o in kept] == ["dots_saveable", "dots_with_no_batch_dims_saveable"]
+    # as many flops, slower and bigger: never better, dropped
+    same = OptionProfile("dots_saveable", 40, 12, 3.0, 0.0, 2.6)
+    kept = useful_options(StageProfile(**stage, options=(same, smaller)))
+    assert [o.name for o in kept] == ["dots_with_no_batch_dims_saveable"]

@@ -20,7 +20,7 @@ from jaxremat.profiling.rates import Rates, device_rates
 from jaxremat.profiling.stage import StageProfile, profile_stage
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-PROFILE_VERSION = 16  # 16: measured FB at most B's time plus the forward's scaled by the share of its flops FB runs; 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
+PROFILE_VERSION = 17  # 17: copies of the step input kept by the first stage count in its xbar; 16: measured FB at most B's time plus the forward's scaled by the share of its flops FB runs; 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
 
 
 @contextlib.contextmanager
@@ -133,15 +133,26 @@ def profile_stages(
 
 def useful_options(p: StageProfile) -> tuple[StageOption, ...]:
     """A stage's measured store options without those no better than another of the stage (no
-    less ``xbar``, ``bwd`` and ``bwd_tmp``; store-all is option 0 and always kept)."""
-    every = [StageOption("store_all", p.xbar, p.bwd_time, p.bwd_tmp)] + [
+    less ``xbar``, ``bwd`` and ``bwd_tmp``, and no fewer backward flops where both are known;
+    store-all is option 0 and always kept).
+
+    Flops guard against timing noise: two policies' backwards that time within noise of each
+    other (a GPT block's under ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``) must
+    not drop the one that recomputes less, or the schedule that stores every block under it
+    (what ``jax.checkpoint(block, policy=dots_saveable)`` runs) is not one the solver can pick.
+    """
+    every = [StageOption("store_all", p.xbar, p.bwd_time, p.bwd_tmp, p.bwd_flops or None)] + [
         StageOption(o.name, o.xbar, o.bwd_time, o.bwd_tmp, o.bwd_flops) for o in p.options
     ]
+
+    def no_more_flops(q: StageOption, o: StageOption) -> bool:
+        return not q.bwd_flops or not o.bwd_flops or q.bwd_flops <= o.bwd_flops
 
     def beaten(k: int) -> bool:
         o = every[k]
         return any(
-            q.xbar <= o.xbar and q.bwd <= o.bwd and q.bwd_tmp <= o.bwd_tmp and (j < k or (q.xbar, q.bwd, q.bwd_tmp) != (o.xbar, o.bwd, o.bwd_tmp))
+            q.xbar <= o.xbar and q.bwd <= o.bwd and q.bwd_tmp <= o.bwd_tmp and no_more_flops(q, o)
+            and (j < k or (q.xbar, q.bwd, q.bwd_tmp) != (o.xbar, o.bwd, o.bwd_tmp))
             for j, q in enumerate(every) if j != k
         )
 

@@ -106,13 +106,14 @@ def _cost(compiled: Any) -> tuple[float, float]:
     return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
 
 
-def kept_bytes(g, params, a_shape, rest, rng, cot_shape) -> int:
+def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = False) -> int:
     """``xbar``: the bytes XLA keeps from the stage's forward for its backward, plus its output.
 
     Compiled as forward, an optimisation barrier on (output, cotangent), backward, and read from
     the buffers live across the barrier (:func:`~jaxremat.xla_memory.live_across_barrier`; the
     stage input's leaves are the activations there, and its parameters the kernels, unless the
-    stage convolves).
+    stage convolves). ``step_input``: the stage is the chain's first, its input the step's
+    argument (copies of it count, :func:`~jaxremat.profiling.xla_buffers.live_across_barrier`).
     """
 
     def kept(params, a, rest, rng, cot):
@@ -125,7 +126,9 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape) -> int:
     # copies of a kernel (a reshaped attention kernel) count unless the stage convolves: the step
     # users run makes them at its start, the executor's tie prevents them only for convolutions
     kernels = () if convolves(g, params, a_shape, rest, rng) else range(n_params)
-    return bytes_kept_across_barrier(kept, params, a_shape, rest, rng, cot_shape, activations=acts, parameters=kernels)[1]
+    return bytes_kept_across_barrier(
+        kept, params, a_shape, rest, rng, cot_shape, activations=acts, parameters=kernels, step_input=step_input
+    )[1]
 
 
 def scan_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any) -> int:
@@ -157,7 +160,7 @@ def _backward(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_s
     """For ``g`` (the stage, or the stage under a checkpoint policy): the bytes kept for its
     backward (output included), the compiled backward (from the residuals and the cotangent), its
     transient bytes, and the pullback."""
-    xbar = kept_bytes(g, params, a_shape, rest, rng, cot_shape)
+    xbar = kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input=not input_grad)
     if scanned:
         xbar = max(xbar, scan_residual_bytes(g, params, a_shape, rest, rng))
 

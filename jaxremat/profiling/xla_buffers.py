@@ -196,7 +196,9 @@ def _values(folder: str) -> dict[str, _Value]:
     return out
 
 
-def live_across_barrier(folder: str, activations: Collection[int] = (), parameters: Collection[int] = ()) -> int:
+def live_across_barrier(
+    folder: str, activations: Collection[int] = (), parameters: Collection[int] = (), step_input: bool = False,
+) -> int:
     """Bytes of the buffers (not parameters) whose live range spans every optimisation barrier.
 
     A buffer computed from entry parameters and constants alone and used only after the barrier
@@ -213,6 +215,13 @@ def live_across_barrier(folder: str, activations: Collection[int] = (), paramete
     stage's backward (a 12-block GPT: four 64 KiB copies per block, 3 MiB of the 4.75 its
     store-all plan missed), unless the stage's weight gradient is tied to its input's cotangent
     (:mod:`jaxremat.run._grad_tie`).
+
+    With ``step_input`` (the chain's first stage, whose input ``a_0`` is the training step's
+    argument, live for the whole step whatever the schedule), a copy of the input counts: the
+    step cannot keep it *instead of* the input. Measured: the Mixer's patch embedding keeps its
+    input's patches (192 KiB) for the weight gradient, the GPT's embedding its clamped token
+    indices (2 KiB); left out, storing the stage whole was predicted that much under what XLA
+    keeps, and the policy that recomputes it no better.
     """
     seq, ranges = _live_ranges(folder)
     barriers = [i for i, name in enumerate(seq) if name.startswith("optimization_barrier") or name.startswith("opt-barrier")]
@@ -254,7 +263,8 @@ def live_across_barrier(folder: str, activations: Collection[int] = (), paramete
     def movable(key: str) -> bool:
         name = key.split("{")[0]
         return (derived(name) and not any(o in read_after for o in values[name].operands)
-                and not any(o in kernels for o in values[name].operands))
+                and not any(o in kernels for o in values[name].operands)
+                and not (step_input and any(o in inputs for o in values[name].operands)))
 
     sizes = buffer_sizes(folder)
     return sum(
@@ -266,14 +276,14 @@ def live_across_barrier(folder: str, activations: Collection[int] = (), paramete
 
 def bytes_kept_across_barrier(
     fn: Callable, *args: Any, options: dict | None = None, activations: Collection[int] = (),
-    parameters: Collection[int] = (),
+    parameters: Collection[int] = (), step_input: bool = False,
 ) -> tuple[Any, int]:
     """Compile ``fn`` (which must hold an optimisation barrier) and return (compiled, bytes kept
     across the barrier; ``activations`` as for :func:`live_across_barrier`, numbered over the
     leaves of ``args``); the dump folder is removed afterwards."""
     compiled, folder = compile_with_dump(fn, *args, options=options)
     try:
-        return compiled, live_across_barrier(folder, activations, parameters)
+        return compiled, live_across_barrier(folder, activations, parameters, step_input)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
