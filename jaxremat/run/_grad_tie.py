@@ -50,6 +50,7 @@ def _reads_after_cotangent(f: Callable[[Any, Any], Any], params: Any, a: Any) ->
     def fwd(params: Any, a: Any) -> tuple[Any, list]:
         out, vjp = jax.vjp(f, params, a)
         leaves, static["tree"] = jax.tree.flatten(vjp)
+        # a residual that is a parameter is the very array (tracer) passed in, not a copy of it
         ids = {id(p) for p in jax.tree.leaves(params)}
         static["params"] = [k for k, leaf in enumerate(leaves) if id(leaf) in ids]
         return out, leaves
