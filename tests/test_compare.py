@@ -43,9 +43,12 @@ def test_comparison_measures_manual_and_jaxremat_points_against_no_remat():
     assert cmp.flops_ratio(by["remat every block"]) > 1.05
     assert cmp.overhead(cmp.baseline) == 1.0
     top = [p for p in cmp.points if p.kind == "jaxremat" and p.budget == jr.store_all_peak(costs)]
-    # store-all runs no remat's computation, in no more memory (its stored stages copy no kernels,
-    # which XLA's flop count also misses: 0.9986 here)
-    assert top and top[0].temp <= by["no remat"].temp and abs(cmp.flops_ratio(top[0]) - 1) < 0.005
+    # store-all runs no remat's computation (its stored stages copy no kernels, which XLA's flop
+    # count also misses: 0.9986 here), within its plan, and in no more memory than no remat but
+    # the parameter copies XLA makes for stages whose kernel reads wait for their cotangent
+    # (jaxremat.run._grad_tie; measured 1.5% here, 1.1% on the built-in Mixer)
+    assert top and top[0].temp <= top[0].predicted_peak and abs(cmp.flops_ratio(top[0]) - 1) < 0.005
+    assert top[0].temp <= 1.02 * by["no remat"].temp
     assert "Noise check" in bench.markdown(cmp)
     # nn.remat on every block is nothing_saveable per block: one program, timed twice, which
     # measures this run's timing noise, the tolerance of its time verdicts

@@ -109,14 +109,17 @@ def test_nested_regions_stay_within_their_plan():
     assert step_temp(chain, v, x, sched) <= 1.05 * pred
 
 
-def test_store_all_counts_the_copies_of_attention_kernels():
-    """In the update step XLA makes a copy of each reshaped attention kernel at the step's start
-    and keeps it until the block's backward (four 64 KiB copies per GPT block). Left out of
-    ``xbar`` as copies the backward could make, the 12-block GPT's store-all plan was 4.7% under
-    XLA; counted, 1.7%."""
+def test_stored_blocks_make_their_kernel_copies_in_their_backward(monkeypatch):
+    """In the update step XLA made a copy of each reshaped attention kernel at the step's start
+    and kept it until the block's backward (four 64 KiB copies per GPT block; profile versions
+    14-18 counted them in ``xbar``). With the executor's kernel reads ordered after the output's
+    cotangent (:func:`jaxremat.run._grad_tie.tied_gradients`), they are made in the backward:
+    the 12-block GPT's store-all plan, which no longer counts them, is within 3% of XLA, and
+    without the ordering XLA uses 3 MiB more than it."""
     import jax
 
     import jaxremat as jr
+    import jaxremat.run._walk as walk
     from jaxremat.api.calibrate import step_temp
     from jaxremat.model.chain import Chain
     from jaxremat.profiling import Rates
@@ -128,17 +131,23 @@ def test_store_all_counts_the_copies_of_attention_kernels():
     costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True, policies={})
     sched = jr.solve(costs, None, algorithm="store_all")
     pred = sched.peak - int(costs.x[0])
-    assert pred <= step_temp(chain, v, x, sched) <= 1.03 * pred
+    assert 0.97 * pred <= step_temp(chain, v, x, sched) <= 1.03 * pred
+    monkeypatch.setattr(walk, "tied_gradients", lambda apply: apply)
+    assert step_temp(chain, v, x, sched) >= pred + 3 * 2**20
 
 
-def test_the_last_stage_is_measured_with_the_loss():
+def test_the_last_stage_is_measured_with_the_loss(monkeypatch):
     """XLA fuses the step's loss with the last stage's forward and backward: with a GPT's LM head
-    it keeps five logit-sized buffers at once, more than the head's backward measured alone. With
-    ``loss=`` the profile measures the head with the loss, and the store-all plan is XLA's memory
-    within 2%; measured alone, the plan is under XLA by more."""
+    whose kernel reads are not ordered after its cotangent it keeps five logit-sized buffers at
+    once, more than the head's backward measured alone. With ``loss=`` the profile measures the
+    head with the loss, and the store-all plan is XLA's memory within 2%; measured alone, the
+    plan is under XLA by more. With the executor's ordering (the profile's too), both are within
+    2%."""
     import jax
 
     import jaxremat as jr
+    import jaxremat.profiling.stage as stage
+    import jaxremat.run._walk as walk
     from jaxremat.api.calibrate import measured_loss, step_temp
     from jaxremat.model.chain import Chain
     from jaxremat.profiling import Rates
@@ -147,14 +156,23 @@ def test_the_last_stage_is_measured_with_the_loss():
     x = zoo.sample_input((4, 128), "int32")
     chain = Chain.from_linen(zoo.gpt(blocks=2))
     v = chain.init(jax.random.key(0), x)
-    ratios = {}
-    for loss in (None, measured_loss):
-        costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True, policies={},
-                           loss=loss)
-        sched = jr.solve(costs, None, algorithm="store_all")
-        ratios[loss is not None] = step_temp(chain, v, x, sched) / (sched.peak - int(costs.x[0]))
-    assert 0.98 <= ratios[True] <= 1.02, ratios
-    assert ratios[False] > ratios[True] + 0.02, ratios
+
+    def ratios() -> dict:
+        out = {}
+        for loss in (None, measured_loss):
+            costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True,
+                               policies={}, loss=loss)
+            sched = jr.solve(costs, None, algorithm="store_all")
+            out[loss is not None] = step_temp(chain, v, x, sched) / (sched.peak - int(costs.x[0]))
+        return out
+
+    ordered = ratios()
+    assert all(0.98 <= r <= 1.02 for r in ordered.values()), ordered
+    monkeypatch.setattr(walk, "tied_gradients", lambda apply: apply)
+    monkeypatch.setattr(stage, "orders_kernel_reads", lambda rest, a: False)
+    unordered = ratios()
+    assert 0.98 <= unordered[True] <= 1.02, unordered
+    assert unordered[False] > unordered[True] + 0.02, unordered
 
 
 def test_a_loss_that_is_not_a_function_is_refused():

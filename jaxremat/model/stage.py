@@ -48,8 +48,8 @@ def convolves(fn: Callable, *args: Any) -> bool:
     """Whether ``fn(*args)`` runs a convolution (read from its jaxpr, sub-jaxprs included).
 
     The executor ties the weight gradients of stored stages that convolve to their input's
-    cotangent (:mod:`jaxremat.run._grad_tie`), and the profiler counts copies of a kernel in a
-    stage's ``xbar`` only for stages that do not (:func:`jaxremat.profiling.stage.kept_bytes`)."""
+    cotangent (:mod:`jaxremat.run._grad_tie`), and the profiler leaves copies of their kernels
+    out of a stage's ``xbar`` (:func:`jaxremat.profiling.stage.kept_bytes`)."""
     return "conv_general_dilated" in str(jax.make_jaxpr(fn)(*args))
 
 

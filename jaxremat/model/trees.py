@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -78,6 +79,12 @@ def tree_bytes(tree: Any) -> int:
     return int(sum(one(s) for s in jax.tree.leaves(tree)))
 
 
+def all_floating(tree: Any) -> bool:
+    """Whether ``tree`` has leaves and all of them are floating (inexact): it has a cotangent."""
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves)
+
+
 def describe(tree: Any) -> str:
     """Shapes and dtypes of ``tree`` as text: ``{'a': 'float32[2, 3]'}``."""
     return str(jax.tree.map(lambda s: f"{np.dtype(s.dtype).name}{list(s.shape)}", tree))
@@ -93,4 +100,4 @@ def check_leaves(tree: Any, what: str) -> None:
             )
 
 
-__all__ = ["abstract", "mesh_devices", "check_leaves", "describe", "is_sharded", "is_traced", "sharding_of", "tree_bytes", "with_shardings"]
+__all__ = ["abstract", "all_floating", "mesh_devices", "check_leaves", "describe", "is_sharded", "is_traced", "sharding_of", "tree_bytes", "with_shardings"]

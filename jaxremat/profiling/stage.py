@@ -12,6 +12,7 @@ from jax import lax
 from jax.extend import core as jax_core
 
 from jaxremat.core.compile import REMAT_OPTIONS
+from jaxremat.model.kernel_reads import orders_kernel_reads, reads_after_cotangent
 from jaxremat.model.stage import Stage, convolves
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
 from jaxremat.profiling.rates import Rates
@@ -110,9 +111,9 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = Fals
     """``xbar``: the bytes XLA keeps from the stage's forward for its backward, plus its output.
 
     Compiled as forward, an optimisation barrier on (output, cotangent), backward, and read from
-    the buffers live across the barrier (:func:`~jaxremat.xla_memory.live_across_barrier`; the
-    stage input's leaves are the activations there, and its parameters the kernels, unless the
-    stage convolves). ``step_input``: the stage is the chain's first, its input the step's
+    the buffers live across the barrier (:func:`~jaxremat.profiling.xla_buffers.live_across_barrier`; the
+    stage input's leaves are the activations there, and its parameters the kernels where the
+    executor does not order their reads after the cotangent). ``step_input``: the stage is the chain's first, its input the step's
     argument (copies of it count, :func:`~jaxremat.profiling.xla_buffers.live_across_barrier`).
     """
 
@@ -123,9 +124,12 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = Fals
 
     n_params, n_input = len(jax.tree.leaves(params)), len(jax.tree.leaves(a_shape))
     acts = range(n_params, n_params + n_input)
-    # copies of a kernel (a reshaped attention kernel) count unless the stage convolves: the step
-    # users run makes them at its start, the executor's tie prevents them only for convolutions
-    kernels = () if convolves(g, params, a_shape, rest, rng) else range(n_params)
+    # copies of a kernel (a reshaped attention kernel) count where the executor does not prevent
+    # them: the step users run makes them at its start, unless the stage's kernel reads wait for
+    # its cotangent (a stage after the first with only parameters and a floating input), or its
+    # weight gradient is tied to its input's (it convolves); see jaxremat.run._grad_tie
+    ordered = not step_input and orders_kernel_reads(rest, a_shape)
+    kernels = () if ordered or convolves(g, params, a_shape, rest, rng) else range(n_params)
     return bytes_kept_across_barrier(
         kept, params, a_shape, rest, rng, cot_shape, activations=acts, parameters=kernels, step_input=step_input
     )[1]
@@ -202,9 +206,16 @@ def _with_loss(g: Callable, loss: Callable, params: Any, a_shape: Any, rest: Any
     """
     counted = out_bytes + (tree_bytes(a_shape) if input_grad else 0)  # delta_L and delta_{L-1}
 
+    # the executor runs a stored last stage with its kernel reads after its cotangent: so here
+    # too (with the barrier the GPT's LM head and loss keep fewer logit-sized buffers)
     def fused(gk: Callable) -> int:
+        ordered = input_grad and orders_kernel_reads(rest, a_shape)
+
         def program(p, a, r, k):
-            return jax.value_and_grad(lambda p, a: loss(gk(p, a, r, k)), argnums=(0, 1) if input_grad else 0)(p, a)
+            def stage(p, a):
+                return reads_after_cotangent(lambda p, x: gk(p, x, r, k), p, a) if ordered else gk(p, a, r, k)
+
+            return jax.value_and_grad(lambda p, a: loss(stage(p, a)), argnums=(0, 1) if input_grad else 0)(p, a)
 
         _, extra = transient_bytes(program, params, a_shape, rest, rng, outputs=True, reuse=False)
         return max(0, int(extra) - counted)

@@ -213,8 +213,8 @@ def live_across_barrier(
     attention kernel reshaped for its matmul) counts too. In the step users run, the parameters
     are donated, and XLA makes such a copy of a kernel at the step's start and keeps it until the
     stage's backward (a 12-block GPT: four 64 KiB copies per block, 3 MiB of the 4.75 its
-    store-all plan missed), unless the stage's weight gradient is tied to its input's cotangent
-    (:mod:`jaxremat.run._grad_tie`).
+    store-all plan missed), unless the executor orders the stage's kernel reads after its
+    cotangent (:mod:`jaxremat.run._grad_tie`); the caller leaves ``parameters`` empty then.
 
     With ``step_input`` (the chain's first stage, whose input ``a_0`` is the training step's
     argument, live for the whole step whatever the schedule), a copy of the input counts: the
