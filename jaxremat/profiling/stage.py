@@ -111,10 +111,11 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = Fals
     """``xbar``: the bytes XLA keeps from the stage's forward for its backward, plus its output.
 
     Compiled as forward, an optimisation barrier on (output, cotangent), backward, and read from
-    the buffers live across the barrier (:func:`~jaxremat.profiling.xla_buffers.live_across_barrier`; the
-    stage input's leaves are the activations there, and its parameters the kernels where the
-    executor does not order their reads after the cotangent). ``step_input``: the stage is the chain's first, its input the step's
-    argument (copies of it count, :func:`~jaxremat.profiling.xla_buffers.live_across_barrier`).
+    the buffers live across the barrier
+    (:func:`~jaxremat.profiling.xla_buffers.live_across_barrier`; the stage input's leaves are the
+    activations there, and its parameters the kernels where the executor does not order their
+    reads after the cotangent). ``step_input``: the stage is the chain's first, its input the
+    step's argument (copies of it count).
     """
 
     def kept(params, a, rest, rng, cot):
@@ -208,9 +209,9 @@ def _with_loss(g: Callable, loss: Callable, params: Any, a_shape: Any, rest: Any
 
     # the executor runs a stored last stage with its kernel reads after its cotangent: so here
     # too (with the barrier the GPT's LM head and loss keep fewer logit-sized buffers)
-    def fused(gk: Callable) -> int:
-        ordered = input_grad and orders_kernel_reads(rest, a_shape)
+    ordered = input_grad and orders_kernel_reads(rest, a_shape)
 
+    def fused(gk: Callable) -> int:
         def program(p, a, r, k):
             def stage(p, a):
                 return reads_after_cotangent(lambda p, x: gk(p, x, r, k), p, a) if ordered else gk(p, a, r, k)

@@ -32,9 +32,10 @@ _tie.defvjp(_tie_fwd, _tie_bwd)
 
 def tied_gradients(apply: Apply) -> Apply:
     """``apply`` (a stage stored under plain autodiff, whole or under a policy) whose backward
-    reads its kernels only after its output's cotangent arrives (:func:`~jaxremat.model.kernel_reads.reads_after_cotangent`,
-    when the stage's only variables are its parameters) and, when the stage runs a convolution,
-    whose parameter cotangent and input cotangent pass one optimisation barrier together.
+    reads its kernels only after its output's cotangent arrives, when the stage's only variables
+    are its parameters (:func:`~jaxremat.model.kernel_reads.reads_after_cotangent`), and, when
+    the stage runs a convolution, whose parameter cotangent and input cotangent pass one
+    optimisation barrier together.
 
     In the step users run, the parameters are donated and the optimizer writes the new ones over
     them. A stored stage's backward reads a kernel for its input gradient, and nothing orders that
