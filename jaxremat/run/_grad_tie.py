@@ -24,7 +24,12 @@ def _tie_fwd(params: Any, a: Any) -> tuple[tuple[Any, Any], None]:
 
 
 def _tie_bwd(_: None, g: tuple[Any, Any]) -> tuple[Any, Any]:
-    return lax.optimization_barrier(g)
+    # the parameter cotangent waits for the input's; the input's leaves as it was made, not as
+    # the barrier's copy, so that the next backward can write over it (see tied_checkpoint):
+    # through the barrier, a ResNet plan storing blocks 3-6 under dots_saveable and recomputing
+    # block 2 used 10.02 MiB where 9.90 were planned (9.79 now)
+    g_params, _ = lax.optimization_barrier(g)
+    return g_params, g[1]
 
 
 _tie.defvjp(_tie_fwd, _tie_bwd)

@@ -85,7 +85,8 @@ class Walker:
         warn_unless_planned(stacklevel=6)
         offload = env is None and ("a", unit.start) in self.offloaded
         inner = {j for u in units(unit.inner)[0] if isinstance(u, RegionUnit) for j in range(u.start, u.stop)}
-        a, local = tied_checkpoint(body, offload=offload, inner=inner)(owned, owned_keys, a)
+        region = tied_checkpoint(body, offload=offload, inner=inner, direct_cotangent=unit.stop < self.L)
+        a, local = region(owned, owned_keys, a)
         updates.update(local)
         return a
 
