@@ -29,7 +29,9 @@ BANDWIDTH = 5e6  # bytes per time unit each way: a 5 MB activation moves in abou
 def chain(L: int, seed: int, options: int = 0):
     """A heterogeneous chain: activations 0.1-10 MB, store-all bundles 1-30 MB, varied temps; with
     ``options``, that many store options per stage (keeping 20-80% of the bundle, backward up to
-    1.5x slower) and a measured-looking FB (0.8-1.0x the forward plus backward)."""
+    1.5x slower), a measured-looking FB (0.8-1.0x the forward plus backward) and flops as a
+    profile has them (about proportional to the times), so that ``"optimal"`` also runs its
+    flops DP (the tie-break of ``docs/cost_model.md``)."""
     import numpy as np
 
     import jaxremat as jr
@@ -39,12 +41,15 @@ def chain(L: int, seed: int, options: int = 0):
     fwd_tmp, bwd_tmp = rng.integers(0, 2 * 10**6, L), rng.integers(0, 2 * 10**6, L)
     v2 = {}
     if options:
+        fb = (fwd + bwd) * rng.uniform(0.8, 1.0, L)
+        flops = lambda t: t * 1e9 * rng.uniform(0.9, 1.1, np.shape(t))  # noqa: E731
         v2 = dict(
-            fb=(fwd + bwd) * rng.uniform(0.8, 1.0, L),
+            fb=fb,
             fb_tmp=(xbar * rng.uniform(0.5, 1.0, L)).astype(int),
+            fwd_flops=flops(fwd), bwd_flops=flops(bwd), fb_flops=flops(fb),
             options=[
-                [jr.StageOption(f"policy{k}", int(xbar[i] * rng.uniform(0.2, 0.8)), float(bwd[i] * rng.uniform(1.0, 1.5)),
-                                int(bwd_tmp[i] + rng.integers(0, 10**6))) for k in range(options)]
+                [jr.StageOption(f"policy{k}", int(xbar[i] * rng.uniform(0.2, 0.8)), t := float(bwd[i] * rng.uniform(1.0, 1.5)),
+                                int(bwd_tmp[i] + rng.integers(0, 10**6)), float(flops(t))) for k in range(options)]
                 for i in range(L)
             ],
         )
