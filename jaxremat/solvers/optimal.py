@@ -93,27 +93,9 @@ def candidates(costs: ChainCosts) -> dict[str, list[Op]]:
 
 
 #: Predicted times within this share of the fastest are ties, broken by fewer flops (profiled
-#: costs only) where the flops are fewer by at least :data:`FLOPS_GAIN`: see :func:`solve_optimal`.
+#: costs only) where the flops are fewer by at least ``FLOPS_GAIN``: see :func:`solve_optimal`.
 FLOPS_TIE = 0.02
 FLOPS_GAIN = 0.005
-
-
-def by_flops(costs: ChainCosts) -> ChainCosts | None:
-    """``costs`` with every time replaced by its flops (scaled to the same total), or ``None``
-    when the costs have no flops (hand-written costs)."""
-    if costs.fwd_flops is None or costs.bwd_flops is None or costs.fb_flops is None:
-        return None
-    total = float(costs.fwd_flops.sum() + costs.bwd_flops.sum())
-    if total <= 0:
-        return None
-    r = float(costs.fwd.sum() + costs.bwd.sum()) / total
-    options = None if costs.options is None else tuple(
-        tuple(o if o.bwd_flops is None else dataclasses.replace(o, bwd=r * o.bwd_flops) for o in per)
-        for per in costs.options
-    )
-    return dataclasses.replace(
-        costs, fwd=r * costs.fwd_flops, bwd=r * costs.bwd_flops, fb=r * costs.fb_flops, options=options
-    )
 
 
 def solve_optimal(costs: ChainCosts, budget: int, slots: int, algorithm: str = "optimal") -> Schedule:
@@ -123,13 +105,13 @@ def solve_optimal(costs: ChainCosts, budget: int, slots: int, algorithm: str = "
     fixed baselines (all persistent) are replayed in bytes too and the fastest one that fits is
     kept, so ``optimal`` is never slower than a baseline at the same budget.
 
-    With profiled flops, the DP also runs on the flops (:func:`by_flops`), and that schedule is
-    taken when it runs fewer flops (by :data:`FLOPS_GAIN` at least) in a predicted time within
-    :data:`FLOPS_TIE` of the fastest; so are the baselines. ``optimal`` is then never slower than
-    a baseline that runs fewer flops than it. Measured times carry noise that flops do
-    not: on a 12-block GPT at the memory of ``dots_saveable`` around every block, the time DP
-    preferred a plan 1.2% faster on the profile that ran 1.03x the flops where the policy runs
-    1.01x; a profile taken again can rank such plans the other way.
+    With profiled flops, near ties go to fewer flops: among the DP's schedule and the baselines
+    that fit, the one of fewest flops is taken when its predicted time is within
+    :data:`FLOPS_TIE` of the fastest and it runs :data:`FLOPS_GAIN` fewer flops at least. A
+    baseline it is slower than then runs more flops. Measured times carry noise that flops do not:
+    on a 12-block GPT at the memory of ``dots_saveable`` around every block, the DP preferred a
+    plan 1.2% faster on the profile that ran 1.03x the flops, where every block under the policy
+    (a baseline) runs 1.01x; a profile taken again can rank such plans the other way.
     """
     best: Schedule | None = None
     ops = dp_ops(costs, budget, slots)
@@ -150,26 +132,16 @@ def solve_optimal(costs: ChainCosts, budget: int, slots: int, algorithm: str = "
                 best = sched
     if best is None:
         raise InfeasibleBudget(algorithm, budget, optimal_min_budget(costs, slots), note=f"with {slots} slots")
-    return _fewer_flops(costs, best, budget, slots, algorithm, fitting)
+    return _fewer_flops(costs, best, fitting)
 
 
-def _fewer_flops(costs: ChainCosts, best: Schedule, budget: int, slots: int, algorithm: str,
-                 fitting: list[Schedule]) -> Schedule:
-    """``best``, or the schedule of fewest flops among the flops DP's and the baselines that fit
-    (``fitting``), where it ties with ``best`` (:data:`FLOPS_TIE`) and runs :data:`FLOPS_GAIN`
-    fewer flops at least. A baseline it ties with runs no fewer flops; one it does not tie with
-    is slower."""
-    flops_costs = by_flops(costs)
-    if flops_costs is None:
+def _fewer_flops(costs: ChainCosts, best: Schedule, fitting: list[Schedule]) -> Schedule:
+    """``best``, or the schedule of fewest flops among the baselines that fit (``fitting``) where
+    it ties with ``best`` (:data:`FLOPS_TIE`) and runs :data:`FLOPS_GAIN` fewer flops at least.
+    (Running the DP a second time on the flops found such plans too, but doubled the solve time.)"""
+    if costs.fwd_flops is None or costs.bwd_flops is None:
         return best
-    pool = list(fitting)
-    ops = dp_ops(flops_costs, budget, slots)
-    if ops is not None:
-        pool.append(Schedule.from_ops(
-            costs, ops, budget=budget, algorithm=algorithm,
-            note=f"the fewest flops within {FLOPS_TIE:.0%} of the fastest predicted time",
-        ))
-    tied = [s for s in pool if s.peak <= budget and s.time <= best.time * (1 + FLOPS_TIE)]
+    tied = [s for s in fitting if s.time <= best.time * (1 + FLOPS_TIE)]
     if not tied:
         return best
     fewest = min(tied, key=lambda s: (predicted_flops(costs, s.ops), s.time))
