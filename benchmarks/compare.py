@@ -67,7 +67,7 @@ def main() -> None:
         "strategy is a schedule the solver can pick. Where *asked* still loses, the reasons seen so far "
         "(`docs/benchmarks.md` has the numbers): (1) the cost model predicts a little more memory than XLA uses for "
         "the hand-written schedule itself, so at that strategy's exact memory the solver must pick another, slower "
-        "schedule (the schedules storing every stage under a policy, predicted 1.5-4.5% over the policy's memory); "
+        "schedule (the schedules storing every stage under a policy, predicted 0.5-3% over the policy's memory); "
         "(2) on this CPU, steps that allocate less memory can run faster than no remat despite extra flops (times "
         "below 1.00), which the cost model, counting compute only, does not predict.",
         "",
