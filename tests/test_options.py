@@ -134,6 +134,7 @@ def test_near_ties_in_time_go_to_the_schedule_of_fewer_flops():
     whole = jr.solve(near, None, algorithm="store_all")
     s = jr.solve(near, whole.peak)
     assert options_used(s) == [0] and s.time <= (1 + FLOPS_TIE) * jr.solve(chain(1.99, flops=False), whole.peak).time
+    assert "fewer flops" in s.summary()
     assert options_used(jr.solve(chain(1.99, flops=False), whole.peak)) == [1]
     assert options_used(jr.solve(chain(1.5), whole.peak)) == [1]
 

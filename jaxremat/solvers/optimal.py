@@ -119,7 +119,7 @@ def solve_optimal(costs: ChainCosts, budget: int, slots: int, algorithm: str = "
         best = Schedule.from_ops(costs, ops, budget=budget, algorithm=algorithm)
         if best.peak > budget:
             raise AssertionError(f"DP schedule peaks at {best.peak} bytes over the budget {budget}")
-    fitting: list[Schedule] = []  # the baselines that fit, within the tie of the fastest
+    fitting: dict[str, Schedule] = {}  # the baselines that fit, within the tie of the fastest
     for name, cand_ops in candidates(costs).items():
         if best is not None and op_time(costs, cand_ops) >= best.time * (1 + FLOPS_TIE):
             continue  # cheap: no replay for a candidate that can neither win nor tie
@@ -127,7 +127,7 @@ def solve_optimal(costs: ChainCosts, budget: int, slots: int, algorithm: str = "
             costs, cand_ops, budget=budget, algorithm=algorithm, note=f"the {name} schedule (DP in slots was not faster)"
         )
         if sched.peak <= budget:
-            fitting.append(sched)
+            fitting[name] = sched
             if best is None or sched.time < best.time:
                 best = sched
     if best is None:
@@ -135,17 +135,26 @@ def solve_optimal(costs: ChainCosts, budget: int, slots: int, algorithm: str = "
     return _fewer_flops(costs, best, fitting)
 
 
-def _fewer_flops(costs: ChainCosts, best: Schedule, fitting: list[Schedule]) -> Schedule:
-    """``best``, or the schedule of fewest flops among the baselines that fit (``fitting``) where
-    it ties with ``best`` (:data:`FLOPS_TIE`) and runs :data:`FLOPS_GAIN` fewer flops at least.
-    (Running the DP a second time on the flops found such plans too, but doubled the solve time.)"""
+def _fewer_flops(costs: ChainCosts, best: Schedule, fitting: dict[str, Schedule]) -> Schedule:
+    """``best``, or the schedule of fewest flops among the baselines that fit (``fitting``, by
+    name) where it ties with ``best`` (:data:`FLOPS_TIE`) and runs :data:`FLOPS_GAIN` fewer flops
+    at least. (Running the DP a second time on the flops found such plans too, but doubled the
+    solve time.)"""
     if costs.fwd_flops is None or costs.bwd_flops is None:
         return best
-    tied = [s for s in fitting if s.time <= best.time * (1 + FLOPS_TIE)]
+    tied = {n: s for n, s in fitting.items() if s.time <= best.time * (1 + FLOPS_TIE)}
     if not tied:
         return best
-    fewest = min(tied, key=lambda s: (predicted_flops(costs, s.ops), s.time))
-    return fewest if predicted_flops(costs, fewest.ops) <= predicted_flops(costs, best.ops) * (1 - FLOPS_GAIN) else best
+    name = min(tied, key=lambda n: (predicted_flops(costs, tied[n].ops), tied[n].time))
+    fewest = tied[name]
+    ratio = predicted_flops(costs, fewest.ops) / predicted_flops(costs, best.ops)
+    if ratio > 1 - FLOPS_GAIN:
+        return best
+    slower = fewest.time / best.time - 1 if best.time > 0 else 0.0
+    return Schedule.from_ops(
+        costs, fewest.ops, budget=fewest.budget, algorithm=fewest.algorithm,
+        note=f"the {name} schedule: {1 - ratio:.1%} fewer flops than the fastest, {slower:.1%} slower on the profile",
+    )
 
 
 def optimal_min_budget(costs: ChainCosts, slots: int) -> int:
