@@ -76,13 +76,9 @@ def tied_gradients(apply: Apply) -> Apply:
         rest = {k: u for k, u in variables.items() if k != "params"}
         if convolves(lambda v, a: apply(v, a, keys), variables, a):
             params, a = _tie(params, a)
-
-        def stage(p: Any, x: Any) -> Any:
-            return apply({**rest, "params": p}, x, keys)[0]
-
         if not orders_kernel_reads(rest, a):
             return apply({**rest, "params": params}, a, keys)
-        return reads_after_cotangent(stage, params, a), {}
+        return reads_after_cotangent(lambda p, x: apply({"params": p}, x, keys)[0], params, a), {}
 
     return tied
 

@@ -119,9 +119,11 @@ def solve_optimal(costs: ChainCosts, budget: int, slots: int, algorithm: str = "
         best = Schedule.from_ops(costs, ops, budget=budget, algorithm=algorithm)
         if best.peak > budget:
             raise AssertionError(f"DP schedule peaks at {best.peak} bytes over the budget {budget}")
-    fitting: dict[str, Schedule] = {}  # the baselines that fit, within the tie of the fastest
+    # the baselines that fit, within the tie of the fastest (only costs with flops break ties)
+    tie = FLOPS_TIE if costs.fwd_flops is not None and costs.bwd_flops is not None else 0.0
+    fitting: dict[str, Schedule] = {}
     for name, cand_ops in candidates(costs).items():
-        if best is not None and op_time(costs, cand_ops) >= best.time * (1 + FLOPS_TIE):
+        if best is not None and op_time(costs, cand_ops) >= best.time * (1 + tie):
             continue  # cheap: no replay for a candidate that can neither win nor tie
         sched = Schedule.from_ops(
             costs, cand_ops, budget=budget, algorithm=algorithm, note=f"the {name} schedule (DP in slots was not faster)"
@@ -142,12 +144,12 @@ def _fewer_flops(costs: ChainCosts, best: Schedule, fitting: dict[str, Schedule]
     solve time.)"""
     if costs.fwd_flops is None or costs.bwd_flops is None:
         return best
-    tied = {n: s for n, s in fitting.items() if s.time <= best.time * (1 + FLOPS_TIE)}
-    if not tied:
+    flops = {n: predicted_flops(costs, s.ops) for n, s in fitting.items() if s.time <= best.time * (1 + FLOPS_TIE)}
+    if not flops:
         return best
-    name = min(tied, key=lambda n: (predicted_flops(costs, tied[n].ops), tied[n].time))
-    fewest = tied[name]
-    ratio = predicted_flops(costs, fewest.ops) / predicted_flops(costs, best.ops)
+    name = min(flops, key=lambda n: (flops[n], fitting[n].time))
+    fewest = fitting[name]
+    ratio = flops[name] / predicted_flops(costs, best.ops)
     if ratio > 1 - FLOPS_GAIN:
         return best
     slower = fewest.time / best.time - 1 if best.time > 0 else 0.0
