@@ -30,6 +30,8 @@ def test_costs_store_read_only_arrays():
         ("fwd_tmp", [0, "a"], "fwd_tmp[1] is not a number"),
         ("x", [4, 4], "x has 2 entries but xbar has 2"),
         ("bwd_tmp", [0], "bwd_tmp has 1 entries; expected L = 2"),
+        ("fb_reuse", [0, -4], "fb_reuse[1] is negative"),
+        ("fb_reuse", [4], "fb_reuse has 1 entries; expected L = 2"),
     ],
 )
 def test_costs_refuse_bad_values_naming_array_and_index(field, value, words):
@@ -46,6 +48,9 @@ def test_costs_round_trip_and_equality():
     c = jr.ChainCosts(**good(), names=["a", "b"])
     assert jr.ChainCosts.from_dict(c.to_dict()) == c
     assert c != jr.ChainCosts(**good())
+    reuse = jr.ChainCosts(**good(), fb_reuse=[4, 0])
+    assert jr.ChainCosts.from_dict(reuse.to_dict()) == reuse != jr.ChainCosts(**good())
+    assert jr.ChainCosts(**good()).fb_reuse.tolist() == [0, 0]
     with pytest.raises(ValueError, match="missing field"):
         jr.ChainCosts.from_dict({"x": [1]})
 

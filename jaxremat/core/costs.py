@@ -76,6 +76,11 @@ class ChainCosts:
       held: optional ``L`` bytes that stage ``i``'s backward makes from constants alone (the
         zeros a transposed resize or pooling scatters the input's gradient into): XLA makes
         them at the step's start, so every schedule holds them from then until that backward.
+      fb_reuse: optional ``L`` bytes that ``fb_tmp`` saves because ``FB i`` writes an output over
+        the incoming cotangent ``delta_{i+1}`` as it dies. XLA does so only where ``FB i`` reads
+        that cotangent as the instruction that made it: where this is not zero, the executor
+        hands a region's input cotangent to the region before it directly (not through a
+        barrier). It changes no prediction.
 
     Arrays are stored as read-only numpy arrays (sizes as ``int64``, times as ``float64``).
     """
@@ -98,6 +103,7 @@ class ChainCosts:
     devices: int = 1  # > 1: the sizes are per device, of a program partitioned over that many
     shared: tuple[Shared, ...] = ()
     held: np.ndarray | None = None
+    fb_reuse: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in FIELDS:
@@ -142,6 +148,10 @@ class ChainCosts:
         if len(held) != n:
             raise ValueError(f"ChainCosts.held has {len(held)} entries; expected L = {n} (one per stage)")
         object.__setattr__(self, "held", held)
+        reuse = np.zeros(n, np.int64) if self.fb_reuse is None else _as_array("fb_reuse", self.fb_reuse, integral=True)
+        if len(reuse) != n:
+            raise ValueError(f"ChainCosts.fb_reuse has {len(reuse)} entries; expected L = {n} (one per stage)")
+        object.__setattr__(self, "fb_reuse", reuse)
         for v in self.shared:  # a bundle holds its output's new shared values
             made = v.first - 1
             for k in range(self.option_count(made)):
@@ -163,7 +173,7 @@ class ChainCosts:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ChainCosts):
             return NotImplemented
-        return self.names == other.names and self.options == other.options and self.shared == other.shared and np.array_equal(self.held, other.held) and all(
+        return self.names == other.names and self.options == other.options and self.shared == other.shared and np.array_equal(self.held, other.held) and np.array_equal(self.fb_reuse, other.fb_reuse) and all(
             np.array_equal(getattr(self, f), getattr(other, f)) for f in FIELDS + V2_FIELDS
         )
 
@@ -271,6 +281,8 @@ class ChainCosts:
             d["shared"] = [dataclasses.asdict(v) for v in self.shared]
         if self.held.any():
             d["held"] = self.held.tolist()
+        if self.fb_reuse.any():
+            d["fb_reuse"] = self.fb_reuse.tolist()
         return d
 
     @classmethod
@@ -281,6 +293,7 @@ class ChainCosts:
         return cls(
             **{f: d[f] for f in FIELDS}, names=d.get("names"), **{f: d.get(f) for f in OPTIONAL_FIELDS + V2_FIELDS},
             options=d.get("options"), devices=int(d.get("devices", 1)), shared=d.get("shared", ()), held=d.get("held"),
+            fb_reuse=d.get("fb_reuse"),
         )
 
     @classmethod

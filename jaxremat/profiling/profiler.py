@@ -20,7 +20,7 @@ from jaxremat.profiling.rates import Rates, device_rates
 from jaxremat.profiling.stage import StageProfile, profile_stage
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-PROFILE_VERSION = 19  # 19: kernel copies count in xbar only where the executor does not order the kernel reads after the cotangent; 18: a measured option backward at most FB's time (where above the backward's); 17: copies of the step input kept by the first stage count in its xbar; 16: measured FB at most B's time plus the forward's scaled by the share of its flops FB runs; 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
+PROFILE_VERSION = 21  # 21: fb_reuse, what FB saves by writing over its incoming cotangent (20: a trial, not kept); 19: kernel copies count in xbar only where the executor does not order the kernel reads after the cotangent; 18: a measured option backward at most FB's time (where above the backward's); 17: copies of the step input kept by the first stage count in its xbar; 16: measured FB at most B's time plus the forward's scaled by the share of its flops FB runs; 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
 
 
 @contextlib.contextmanager
@@ -119,7 +119,7 @@ def profile_stages(
     fields = dict(
         xbar="xbar", fwd="fwd_time", bwd="bwd_time", fwd_tmp="fwd_tmp", bwd_tmp="bwd_tmp", names="name",
         fwd_flops="fwd_flops", bwd_flops="bwd_flops", fwd_bytes="fwd_bytes", bwd_bytes="bwd_bytes", fb="fb_time",
-        fb_flops="fb_flops", fb_tmp="fb_tmp",
+        fb_flops="fb_flops", fb_tmp="fb_tmp", fb_reuse="fb_reuse",
     )
     costs = ChainCosts(
         x=[tree_bytes(s) for s in shapes],

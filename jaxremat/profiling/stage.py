@@ -17,7 +17,7 @@ from jaxremat.model.stage import Stage, convolves
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
 from jaxremat.profiling.rates import Rates
 from jaxremat.profiling.timing import check_against_flops
-from jaxremat.profiling.xla_buffers import bytes_kept_across_barrier, transient_bytes
+from jaxremat.profiling.xla_buffers import bytes_kept_across_barrier, fused_bytes, transient_bytes
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class StageProfile:
     options: tuple["OptionProfile", ...] = ()
     flags: tuple[str, ...] = ()  # measurements to doubt (a backward far below its flops' share)
     held: int = 0  # bytes its backward makes from constants alone: a training step makes them at its start
+    fb_reuse: int = 0  # what fb_tmp saves by writing an output over the incoming cotangent
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageProfile":
@@ -299,7 +300,7 @@ def profile_stage(
     # input (a residual block with every input credited: 1.11x the plan)
     before = len(jax.tree.leaves((params, a_shape, rest, rng)))
     cot_params = range(before, before + len(jax.tree.leaves(cot_shape)))
-    fb_c, fb_tmp, held = transient_bytes(
+    fb_c, fb_tmp, fb_reuse, held = fused_bytes(
         lambda p, x, r, k, c: pullback(p, x, r, k)(c), params, a_shape, rest, rng, cot_shape, reuse=cot_params,
         constants=[hlo_shape(s) for s in jax.tree.leaves(a_shape)] if input_grad else [],
     )
@@ -365,7 +366,7 @@ def profile_stage(
         name=st.name, kind=st.kind, out_shape=shape_txt, x_out=tree_bytes(out_shape), xbar=xbar,
         fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp,
         fwd_flops=ff, bwd_flops=bf, fwd_bytes=fbytes, bwd_bytes=bb, fwd_time=ft, bwd_time=bt,
-        fb_time=fbt, fb_tmp=int(fb_tmp), fb_flops=fbf, held=int(held),
+        fb_time=fbt, fb_tmp=int(fb_tmp), fb_flops=fbf, held=int(held), fb_reuse=int(fb_reuse),
         options=tuple(
             OptionProfile(name, o[0], o[2], costs[name][0], costs[name][1], opt_t[name]) for name, o in opts.items()
         ),

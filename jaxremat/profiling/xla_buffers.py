@@ -325,3 +325,25 @@ def transient_bytes(
         return compiled, got, constant_made_bytes(folder, constants)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+class FusedBytes(NamedTuple):
+    """A fused forward-backward's bytes (:func:`fused_bytes`)."""
+
+    compiled: Any
+    transient: int  # transient_beyond_inputs, crediting only the inputs named by ``reuse``
+    reuse_saving: int  # what that credit saves: the bytes without it, less ``transient``
+    held: int  # bytes made from constants alone (constant_made_bytes)
+
+
+def fused_bytes(fn: Callable, *args: Any, reuse: Collection[int], constants: Collection[str]) -> FusedBytes:
+    """Compile ``fn`` once and measure its transient bytes with and without the credit for an
+    output written over the dying inputs ``reuse`` (entry parameter numbers), and what it makes
+    from constants alone."""
+    compiled, folder = compile_with_dump(fn, *args)
+    try:
+        got = transient_beyond_inputs(folder, False, reuse)
+        plain = transient_beyond_inputs(folder, False, False)
+        return FusedBytes(compiled, got, max(0, plain - got), constant_made_bytes(folder, constants))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+

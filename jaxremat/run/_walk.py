@@ -32,10 +32,12 @@ class Walker:
     def __init__(
         self, chain: Chain, rngs: Rngs, cut: Cut, loops: LoopPlan, alike: Alike, scan: bool | None,
         policies: dict[tuple[int, int], Policy], offloaded: frozenset[tuple[str, int]] = frozenset(),
+        reuses: frozenset[int] = frozenset(),
     ):
         self.chain, self.rngs, self.cut, self.loops, self.alike, self.scan = chain, rngs, cut, loops, alike, scan
         self.policies = policies  # (stage, store option) -> the checkpoint policy it runs under
         self.offloaded = offloaded  # ("a", i) / ("abar", i): buffers kept in host memory
+        self.reuses = reuses  # stages whose FB writes over the incoming cotangent (ChainCosts.fb_reuse)
         self.L = len(chain)
 
     # -- one stage, one unit ---------------------------------------------------------------------
@@ -69,9 +71,13 @@ class Walker:
             updates[i] = new
         return out
 
-    def unit(self, unit: Unit, a: Any, updates: dict, env: Env | None) -> Any:
+    def unit(self, unit: Unit, a: Any, updates: dict, env: Env | None, token: Any = None, waits: bool = False) -> tuple[Any, Any]:
+        """Run ``unit``; returns its output and, for a region, the order token of the region that
+        runs right after it (:func:`~jaxremat.run._regions.tied_checkpoint`). ``token``: the one
+        the region before returned, where this region hands its input's cotangent over directly
+        (:meth:`handovers`); ``waits``: the region after this one does."""
         if isinstance(unit, StoreUnit):
-            return self.stage(unit.stage, a, updates, env, unit.option, top=env is None)
+            return self.stage(unit.stage, a, updates, env, unit.option, top=env is None), None
         # everything the region reads is an explicit input (no closure over traced values), so
         # that its recomputation can run in the backward pass, after the cotangent arrives
         span = range(unit.start, unit.stop)
@@ -82,12 +88,32 @@ class Walker:
             local: dict = {}
             return self.run(unit.inner, unit.stop, a, local, Env(owned, 0, owned_keys)), local
 
-        warn_unless_planned(stacklevel=6)
+        warn_unless_planned(stacklevel=7)
         offload = env is None and ("a", unit.start) in self.offloaded
         inner = {j for u in units(unit.inner)[0] if isinstance(u, RegionUnit) for j in range(u.start, u.stop)}
-        region = tied_checkpoint(body, offload=offload, inner=inner, direct_cotangent=unit.stop < self.L)
-        a, local = region(owned, owned_keys, a)
+        region = tied_checkpoint(
+            body, offload=offload, inner=inner, direct_cotangent=unit.stop < self.L, ordered=token is not None,
+            waits=waits,
+        )
+        a, local, token = region(owned, owned_keys, a, token)
         updates.update(local)
+        return a, token
+
+    def handovers(self, run: tuple[Unit, ...]) -> list[bool]:
+        """Per unit of ``run`` (units run one after another), whether it is a region that hands its
+        input's cotangent to a region right before it directly, ordered by a token instead: where
+        the stage before it writes over that cotangent in its FB (``ChainCosts.fb_reuse``)."""
+        region = [isinstance(u, RegionUnit) for u in run]
+        return [j > 0 and region[j] and region[j - 1] and run[j].start - 1 in self.reuses for j in range(len(run))]
+
+    def in_turn(self, run: tuple[Unit, ...], a: Any, updates: dict, env: Env | None,
+                handed: list[bool] | None = None) -> Any:
+        """The units of ``run`` one after another (``handed``: :meth:`handovers` of ``run``)."""
+        handed = self.handovers(run) if handed is None else handed
+        token = None
+        for j, unit in enumerate(run):
+            a, token = self.unit(unit, a, updates, env, token if handed[j] else None,
+                                 waits=j + 1 < len(run) and handed[j + 1])
         return a
 
     # -- trees -------------------------------------------------------------------------------------
@@ -99,8 +125,7 @@ class Walker:
         if env is None:
             a = self.top(a, updates)
         else:
-            for unit in spine:
-                a = self.unit(unit, a, updates, env)
+            a = self.in_turn(spine, a, updates, env)
         if leaf.stage < min(self.L, stop):  # FB or Fall; B: the stage's forward right before its backward
             a = self.stage(leaf.stage, a, updates, env, leaf.option)
         return a
@@ -133,21 +158,24 @@ class Walker:
     def stretch(self, stretch: Stretch, a: Any, updates: dict) -> Any:
         """Units between loops: runs of alike units over a Repeat's stacked variables (and with
         ``scan=True`` over separate stages) as one scan, the others in turn."""
-        run_units = stretch.units
+        run_units, pending = stretch.units, 0  # run_units[pending:i] wait to run in turn
         for i, j in self.alike.runs(run_units):
             first = run_units[i]
-            k = first.stop - first.start
             if first.start in self.loops.stacked_runs:
                 stacked = self.cut.pieces[first.start]
-            elif self.scan and j - i >= 2 and not self.moves(run_units[i:j]) and self.keeps_shape(first, a):
+            elif self.scan and j - i >= 2 and not self.moves(run_units[i:j]) and self.keeps_shape(
+                first, jax.eval_shape(lambda a: self.in_turn(run_units[pending:i], a, {}, None), a)
+            ):
                 stacked = self.stack(run_units[i:j])
             else:
-                for unit in run_units[i:j]:
-                    a = self.unit(unit, a, updates, None)
                 continue
-            a = scan_units(self.apply_all((first,)), first.start, k, j - i, a, updates, stacked, lambda P: P,
-                           cut_in_checkpoint=False)
-        return a
+            # the units before this scan in turn, together: a region among them may hand its input's
+            # cotangent over directly to the one before it (handovers)
+            a = self.in_turn(run_units[pending:i], a, updates, None)
+            a = scan_units(self.apply_all((first,)), first.start, first.stop - first.start, j - i, a, updates, stacked,
+                           lambda P: P, cut_in_checkpoint=False)
+            pending = j
+        return self.in_turn(run_units[pending:], a, updates, None)
 
     def moves(self, run: tuple[Unit, ...]) -> bool:
         """Whether the schedule offloads anything of ``run``'s units (they then run one by one)."""
@@ -155,16 +183,14 @@ class Walker:
 
     def apply_all(self, pattern: tuple[Unit, ...]):
         def apply(env: Env, a: Any, local: dict) -> Any:
-            for unit in pattern:
-                a = self.unit(unit, a, local, env)
-            return a
+            return self.in_turn(pattern, a, local, env)
 
         return apply
 
     # -- scan=True: stacking separate stages -------------------------------------------------------
 
     def keeps_shape(self, unit: Unit, a: Any) -> bool:
-        out = jax.eval_shape(lambda a: self.unit(unit, a, {}, None), a)
+        out = jax.eval_shape(lambda a: self.unit(unit, a, {}, None)[0], a)
         same = lambda x, y: np.shape(x) == np.shape(y) and x.dtype == y.dtype  # noqa: E731
         return jax.tree.structure(out) == jax.tree.structure(a) and all(
             same(x, y) for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(a))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
 from jaxremat.core.policies import Policy, resolve
 from jaxremat.core.schedule import Schedule
 from jaxremat.core.tree import offloads_in, parse_offloads, units
@@ -77,6 +79,9 @@ def execute(
         for i, k in sorted(used)
     }
 
+    # stages whose FB writes over the incoming cotangent: the region after one hands it over directly
+    reuses = frozenset(int(i) for i in np.flatnonzero(schedule.costs.fb_reuse))
+
     def forward(variables: Any, x: Any, rngs: Rngs = None) -> tuple[Any, Any]:
         shapes = chain.stage_shapes(variables)  # the loops depend on the variables' shapes
         alike = Alike(chain, shapes)
@@ -85,7 +90,8 @@ def execute(
             g = next(g for g in chain.stacked if g.layer == layer)
             _warn_copies(layer, offloads=offloads_in(offloaded, g.start, g.start + g.length))
         updates: dict[int, Any] = {}
-        walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, resolved, offloaded)
+        walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, resolved, offloaded,
+                        reuses)
         return walker.run(tree, L, x, updates), updates
 
     return forward
