@@ -119,7 +119,8 @@ def test_a_backward_writes_over_its_incoming_cotangent(monkeypatch):
     Through the barriers the first used one activation (1 MiB) more than planned, the second
     0.23 MiB more than now. Between two regions (every block a region of its own) the input's
     cotangent leaves the later one as it was made, ordered by a token instead of the barrier
-    (``ChainCosts.fb_reuse``); through the barrier, again one activation more."""
+    (``ChainCosts.fb_reuse``), and so does a region inside a region that starts it (revolve's
+    schedule); through the barrier, again one activation more."""
     import jax
     from jax import lax
 
@@ -145,12 +146,18 @@ def test_a_backward_writes_over_its_incoming_cotangent(monkeypatch):
     mixed = Schedule.from_ops(costs, stored + [Op("Fall", L - 1), Op("Loss", L)] + back, budget=None, algorithm="x")
     assert [costs.option(i, 1).name for i in range(3, L - 1)] == ["dots_saveable"] * (L - 4)
     every = jr.solve(costs, None, algorithm="every_stage")
+    # revolve's: regions inside regions, the first inner one handing the cotangent over too
+    nested = Schedule.from_ops(costs, [Op(*op) for op in (
+        ("Fck", 0), ("Fn", 1), ("Fn", 2), ("Fck", 3), ("Fn", 4), ("Fn", 5), ("Fck", 6), ("Fn", 7), ("Loss", 8),
+        ("Fck", 6), ("FB", 7), ("FB", 6), ("Fck", 3), ("Fck", 4), ("FB", 5), ("FB", 4), ("FB", 3),
+        ("Fck", 0), ("Fck", 1), ("FB", 2), ("FB", 1), ("FB", 0))], budget=None, algorithm="x")
     assert costs.fb_reuse[1] > 0 and costs.fb_reuse[2] > 0  # relu(x + h)'s derivative written over the cotangent
-    runs = (("least", least), ("mixed", mixed), ("every", every))
+    runs = (("least", least), ("mixed", mixed), ("every", every), ("nested", nested))
     temp = {name: step_temp(chain, v, x, s) for name, s in runs}
     assert temp["least"] <= 1.01 * (least.peak - x0)
     assert temp["mixed"] <= mixed.peak - x0
     assert temp["every"] <= 1.01 * (every.peak - x0)
+    assert temp["nested"] <= 1.01 * (nested.peak - x0)
 
     monkeypatch.setattr(walk.Walker, "handovers", lambda self, run: [False] * len(run))
     assert step_temp(chain, v, x, every) >= every.peak - x0 + 0.9 * 2**20

@@ -10,7 +10,7 @@ from jax import lax
 
 from jaxremat.run._offload import to_device, to_host
 
-RegionBody = Callable[[dict, dict, Any], tuple[Any, dict]]
+RegionBody = Callable[[dict, dict, Any, Any], tuple[Any, dict]]
 
 
 def order_token() -> jax.Array:
@@ -35,7 +35,7 @@ def tied_checkpoint(
     body: RegionBody, *, offload: bool = False, inner: Collection[Any] = (), direct_cotangent: bool = True,
     ordered: bool = False, waits: bool = False,
 ) -> Callable[..., tuple[Any, dict, jax.Array]]:
-    """``body(variables, keys, a) -> (out, updates)`` keeping only its inputs for the backward
+    """``body(variables, keys, a, token) -> (out, updates)`` keeping only its inputs for the backward
     pass, where it is recomputed once the output's cotangent has arrived. ``offload=True``
     keeps the saved input ``a`` in host memory until the backward pass needs it. ``inner``: the
     keys of ``variables`` that regions inside ``body`` own (their gradients have passed those
@@ -77,7 +77,9 @@ def tied_checkpoint(
       recomputation still waits for the weight gradients. This region (``waits=True``) reads the
       cotangent plus zero times that token (:func:`after`), so that no part of its backward runs
       before them either. With every ResNet block a region of its own, XLA used 10.02 MiB where
-      9.02 were planned through the barrier, and 9.03 MiB so.
+      9.02 were planned through the barrier, and 9.03 MiB so. ``body`` then gets a token too:
+      a region starting it hands the cotangent over the same way (the cotangent leaves through
+      it), and its token's cotangent joins this one's.
 
     Where nothing is written over the cotangent the barrier stays: handing it over directly
     changed no live bytes on a transformer or the GPT but XLA packed them worse (every
@@ -86,7 +88,7 @@ def tied_checkpoint(
 
     @jax.custom_vjp
     def region(owned: dict, keys: dict, a: Any, token: jax.Array | None) -> tuple[Any, dict, jax.Array]:
-        out, updates = body(owned, keys, a)
+        out, updates = body(owned, keys, a, token)
         return lax.optimization_barrier(out), updates, order_token()
 
     def fwd(owned: dict, keys: dict, a: Any, token: jax.Array | None) -> tuple[tuple[Any, dict, jax.Array], tuple]:
@@ -99,18 +101,21 @@ def tied_checkpoint(
         owned, keys, a, g_out, token = lax.optimization_barrier((*res, g[0], g[2]))
         if direct_cotangent:
             g_out = after(g[0], token) if waits else g[0]
-        _, pull = jax.vjp(lambda owned, a: body(owned, keys, a)[0], owned, a)
+        # ordered, the body's first region (if it starts the body) hands its input's cotangent
+        # over directly too, with a token of its own, whose cotangent this one's waits for
+        inner_token = order_token() if ordered else None
+        _, pull = jax.vjp(lambda owned, a, t: body(owned, keys, a, t)[0], owned, a, inner_token)
         # the input's cotangent leaves with the parameters' through one barrier: the region
         # before this one (whose recomputation waits for it) cannot start while this backward
         # still computes its weight gradients (XLA otherwise overlaps the two, 1.11x the plan
         # with every transformer block checkpointed)
-        d_owned, d_a = pull(g_out)
+        d_owned, d_a, d_inner = pull(g_out)
         # the weight gradients of an inner region's stages passed its barrier already; held
         # through this one too, one in a layout other than its output's stays a temporary until
         # the step's end (+128 KiB per nesting level on a GPT's least-budget schedule)
         mine = {k: g for k, g in d_owned.items() if k not in inner}
         if ordered:
-            mine, d_token = lax.optimization_barrier((mine, order_token()))
+            mine, d_token = lax.optimization_barrier((mine, d_inner))
             return {**d_owned, **mine}, None, d_a, d_token
         mine, d_a = lax.optimization_barrier((mine, d_a))
         return {**d_owned, **mine}, None, d_a, None

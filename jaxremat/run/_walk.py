@@ -84,9 +84,9 @@ class Walker:
         owned = {i: self.variables(i, env) for i in span}
         owned_keys = {i: self.keys(i, env) for i in span}
 
-        def body(owned: dict, owned_keys: dict, a: Any) -> tuple[Any, dict]:
+        def body(owned: dict, owned_keys: dict, a: Any, first: Any) -> tuple[Any, dict]:
             local: dict = {}
-            return self.run(unit.inner, unit.stop, a, local, Env(owned, 0, owned_keys)), local
+            return self.run(unit.inner, unit.stop, a, local, Env(owned, 0, owned_keys), first), local
 
         warn_unless_planned(stacklevel=7)
         offload = env is None and ("a", unit.start) in self.offloaded
@@ -106,11 +106,14 @@ class Walker:
         region = [isinstance(u, RegionUnit) for u in run]
         return [j > 0 and region[j] and region[j - 1] and run[j].start - 1 in self.reuses for j in range(len(run))]
 
-    def in_turn(self, run: tuple[Unit, ...], a: Any, updates: dict, env: Env | None,
-                handed: list[bool] | None = None) -> Any:
-        """The units of ``run`` one after another (``handed``: :meth:`handovers` of ``run``)."""
-        handed = self.handovers(run) if handed is None else handed
-        token = None
+    def in_turn(self, run: tuple[Unit, ...], a: Any, updates: dict, env: Env | None, first: Any = None) -> Any:
+        """The units of ``run`` one after another. ``first``: the token of a region whose body
+        ``run`` is, where that region hands its input's cotangent over directly: a region
+        starting the body does too (the cotangent leaves through it)."""
+        handed = self.handovers(run)
+        if first is not None and run and isinstance(run[0], RegionUnit):
+            handed[0] = True
+        token = first
         for j, unit in enumerate(run):
             a, token = self.unit(unit, a, updates, env, token if handed[j] else None,
                                  waits=j + 1 < len(run) and handed[j + 1])
@@ -118,14 +121,14 @@ class Walker:
 
     # -- trees -------------------------------------------------------------------------------------
 
-    def run(self, node: Node, stop: int, a: Any, updates: dict, env: Env | None = None) -> Any:
+    def run(self, node: Node, stop: int, a: Any, updates: dict, env: Env | None = None, first: Any = None) -> Any:
         """Apply the stages of ``node`` below ``stop`` (the loss is not a stage). Loops only at
         the top level (``env is None``); inside a region its variables are explicit inputs."""
         spine, leaf = units(node)
         if env is None:
             a = self.top(a, updates)
         else:
-            a = self.in_turn(spine, a, updates, env)
+            a = self.in_turn(spine, a, updates, env, first)
         if leaf.stage < min(self.L, stop):  # FB or Fall; B: the stage's forward right before its backward
             a = self.stage(leaf.stage, a, updates, env, leaf.option)
         return a
