@@ -310,21 +310,22 @@ def constant_made_bytes(folder: str, outputs: Collection[str] = ()) -> int:
     return total
 
 
-def transient_bytes(
-    fn: Callable, *args: Any, options: dict | None = None, outputs: bool = False, reuse: bool | Collection[int] = True,
-    constants: Collection[str] | None = None,
-) -> tuple[Any, int] | tuple[Any, int, int]:
-    """Compile ``fn`` and return (compiled, :func:`transient_beyond_inputs` of it); with
-    ``constants`` (output shapes, as for :func:`constant_made_bytes`) also the bytes it makes from
-    constants alone."""
+def _compiled_and(fn: Callable, args: tuple, read: Callable[[str], Any], options: dict | None = None) -> tuple[Any, Any]:
+    """Compile ``fn`` with XLA's buffer dumps and return (compiled, ``read(dump folder)``)."""
     compiled, folder = compile_with_dump(fn, *args, options=options)
     try:
-        got = transient_beyond_inputs(folder, outputs, reuse)
-        if constants is None:
-            return compiled, got
-        return compiled, got, constant_made_bytes(folder, constants)
+        return compiled, read(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def transient_bytes(
+    fn: Callable, *args: Any, options: dict | None = None, outputs: bool = False, reuse: bool | Collection[int] = True,
+) -> tuple[Any, int]:
+    """Compile ``fn`` and return (compiled, :func:`transient_beyond_inputs` of it)."""
+    return _compiled_and(fn, args, lambda folder: transient_beyond_inputs(folder, outputs, reuse), options)
+
+
 class FusedBytes(NamedTuple):
     """A fused forward-backward's bytes (:func:`fused_bytes`)."""
 
@@ -337,13 +338,14 @@ class FusedBytes(NamedTuple):
 def fused_bytes(fn: Callable, *args: Any, reuse: Collection[int], constants: Collection[str]) -> FusedBytes:
     """Compile ``fn`` once and measure its transient bytes with and without the credit for an
     output written over the dying inputs ``reuse`` (entry parameter numbers), and what it makes
-    from constants alone."""
-    compiled, folder = compile_with_dump(fn, *args)
-    try:
+    from constants alone (``constants``: output shapes, as for :func:`constant_made_bytes`)."""
+
+    def read(folder: str) -> tuple[int, int, int]:
         got = transient_beyond_inputs(folder, False, reuse)
         plain = transient_beyond_inputs(folder, False, False)
-        return FusedBytes(compiled, got, max(0, plain - got), constant_made_bytes(folder, constants))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        return got, max(0, plain - got), constant_made_bytes(folder, constants)
+
+    compiled, (got, saving, held) = _compiled_and(fn, args, read)
+    return FusedBytes(compiled, got, saving, held)
 
 
