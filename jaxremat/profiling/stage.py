@@ -302,7 +302,7 @@ def profile_stage(
     cot_params = range(before, before + len(jax.tree.leaves(cot_shape)))
     fb_c, fb_tmp, fb_reuse, held = fused_bytes(
         lambda p, x, r, k, c: pullback(p, x, r, k)(c), params, a_shape, rest, rng, cot_shape, reuse=cot_params,
-        constants=[hlo_shape(s) for s in jax.tree.leaves(a_shape)] if input_grad else [],
+        constants=[hlo_shape(s) for s in jax.tree.leaves((a_shape, params) if input_grad else params)],
     )
     if scanned:
         # a Repeat's copy runs its FB inside a loop iteration, where XLA keeps the recomputed

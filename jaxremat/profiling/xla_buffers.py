@@ -20,8 +20,8 @@ import jax
 
 from jaxremat.core.compile import REMAT_OPTIONS
 
-_VALUE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (.*)$")
-_ALLOC = re.compile(r"^allocation \d+: size \d+(.*)$")
+_VALUE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
+_ALLOC = re.compile(r"^allocation (\d+): size \d+(.*)$")
 _RANGE = re.compile(r"^\s*(\S+):(\d+)-(\d+)$")
 _SEQ = re.compile(r"^\s*(\d+):(\S+)$")
 
@@ -44,17 +44,25 @@ def _read(folder: str, suffix: str) -> str:
         return f.read()
 
 
-def buffer_sizes(folder: str, kinds: tuple[str, ...] = ("temp", "output")) -> dict[str, int]:
-    """Size of every non-tuple buffer value of the given allocation kinds, by live-range name.
+class _Slot(NamedTuple):
+    """Where the buffer assignment put a value: its allocation and byte range in it."""
+
+    allocation: int
+    offset: int
+    size: int
+
+
+def buffer_slots(folder: str, kinds: tuple[str, ...] = ("temp", "output")) -> dict[str, _Slot]:
+    """The slot of every non-tuple buffer value of the given allocation kinds, by live-range name.
 
     Kinds: ``"parameter"``, ``"constant"``, ``"output"`` (may live out) and ``"temp"`` (the rest).
     """
-    sizes: dict[str, int] = {}
-    kind = "temp"
+    slots: dict[str, _Slot] = {}
+    kind, number = "temp", -1
     for line in _read(folder, "buffer-assignment").splitlines():
         alloc = _ALLOC.match(line)
         if alloc:
-            flags = alloc.group(1)
+            number, flags = int(alloc.group(1)), alloc.group(2)
             kind = (
                 "parameter" if "parameter" in flags else "constant" if "constant" in flags
                 else "output" if "live-out" in flags or "output" in flags else "temp"
@@ -64,11 +72,17 @@ def buffer_sizes(folder: str, kinds: tuple[str, ...] = ("temp", "output")) -> di
             break
         value = _VALUE.match(line)
         if value and kind in kinds:
-            name, size, shape = value.group(1), int(value.group(2)), value.group(3)
+            name, size, offset, shape = value.group(1), int(value.group(2)), int(value.group(3)), value.group(4)
             if shape.startswith("("):
                 continue  # a tuple's index table, not data
-            sizes[name if "{" in name else name + "{}"] = size
-    return sizes
+            slots[name if "{" in name else name + "{}"] = _Slot(number, offset, size)
+    return slots
+
+
+def buffer_sizes(folder: str, kinds: tuple[str, ...] = ("temp", "output")) -> dict[str, int]:
+    """Size of every non-tuple buffer value of the given allocation kinds, by live-range name
+    (kinds as for :func:`buffer_slots`)."""
+    return {name: slot.size for name, slot in buffer_slots(folder, kinds).items()}
 
 
 def _live_ranges(folder: str) -> tuple[list[str], dict[str, tuple[int, int]]]:
@@ -93,13 +107,29 @@ def _live_ranges(folder: str) -> tuple[list[str], dict[str, tuple[int, int]]]:
     return seq, ranges
 
 
-def _peak(seq: list[str], ranges: dict[str, tuple[int, int]], sizes: dict[str, int], live: list[int] | None = None) -> list[int]:
+def _peak(seq: list[str], ranges: dict[str, tuple[int, int]], slots: dict[str, _Slot], live: list[int] | None = None) -> list[int]:
+    """Bytes live at each instruction of ``seq``: ``live`` (if given) plus every buffer
+    (:func:`buffer_slots`) over its live range.
+
+    A live range includes both its ends, so an element-wise fusion that writes its output over
+    an operand dying there has both in its count. The buffer assignment puts the two in one slot
+    (and the whole training step does the same): the bytes they share count once. Counted twice,
+    an MLP-Mixer block's backward under ``dots_with_no_batch_dims_saveable`` measured 13.39 MiB
+    (11.39 once) and a 12-block GPT's block ``FB`` 10.09 MiB (9.09 once).
+    """
     live = live if live is not None else [0] * (len(seq) + 1)
-    for name, size in sizes.items():
+    starting: dict[tuple[int, int], list[_Slot]] = {}  # (allocation, first instruction) -> slots
+    for name, slot in slots.items():
         if name in ranges:
             lo, hi = ranges[name]
             for t in range(lo, min(hi, len(seq)) + 1):
-                live[t] += size
+                live[t] += slot.size
+            starting.setdefault((slot.allocation, lo), []).append(slot)
+    for name, slot in slots.items():
+        hi = ranges.get(name, (0, len(seq) + 1))[1]
+        for other in starting.get((slot.allocation, hi), []) if hi <= len(seq) else []:
+            if other is not slot:  # written over this one as it dies
+                live[hi] -= max(0, min(slot.offset + slot.size, other.offset + other.size) - max(slot.offset, other.offset))
     return live
 
 
@@ -136,7 +166,7 @@ def transient_beyond_inputs(folder: str, outputs: bool = False, reuse: bool | Co
             last -= 1
         for t in range(0, last + 1):
             live[t] += size
-    live = _peak(seq, ranges, buffer_sizes(folder, ("temp", "output") if outputs else ("temp",)), live)
+    live = _peak(seq, ranges, buffer_slots(folder, ("temp", "output") if outputs else ("temp",)), live)
     return max(0, max(live) - sum(params.values()))
 
 
@@ -290,8 +320,9 @@ def bytes_kept_across_barrier(
 
 def constant_made_bytes(folder: str, outputs: Collection[str] = ()) -> int:
     """Bytes of the buffers computed from constants alone (a zero-filled buffer that a
-    transposed resize, pooling or pad scatters its gradient into): temporaries, and outputs of an
-    array shape in ``outputs`` (the input gradient's leaves, temporaries of a training step).
+    transposed resize, pooling or pad scatters its gradient into, an embedding's gradient):
+    temporaries, and outputs of an array shape in ``outputs`` (the input and parameter
+    gradients' leaves, temporaries of a training step).
 
     A whole training step computes them at its start, before any stage runs (nothing they read
     ties them to the backward), and keeps them until the backward that fills them: measured on a
