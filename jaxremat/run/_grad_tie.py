@@ -27,7 +27,10 @@ def _tie_bwd(_: None, g: tuple[Any, Any]) -> tuple[Any, Any]:
     # the parameter cotangent waits for the input's; the input's leaves as it was made, not as
     # the barrier's copy, so that the next backward can write over it (see tied_checkpoint):
     # through the barrier, a ResNet plan storing blocks 3-6 under dots_saveable and recomputing
-    # block 2 used 10.02 MiB where 9.90 were planned (9.79 now)
+    # block 2 used 10.02 MiB where 9.90 were planned (9.79 now). XLA drops a barrier's unused
+    # outputs with their operands, so this one holds the parameter cotangent alone and orders
+    # nothing against the input's (measured 2026-12-03); kept in it by reading a scalar of its
+    # copy, the conv autoencoder's 13.5 MiB plan used 13.02 MiB instead of 12.25
     g_params, _ = lax.optimization_barrier(g)
     return g_params, g[1]
 
