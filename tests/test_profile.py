@@ -248,3 +248,19 @@ def test_the_first_stage_counts_the_copies_of_the_step_input_it_keeps():
     a = jax.ShapeDtypeStruct(x.shape, x.dtype)
     cot = jax.eval_shape(g, params, a, rest, jax.random.key(0))
     assert kept_bytes(g, params, a, rest, jax.random.key(0), cot) == out + 4
+
+
+def test_an_output_written_over_a_dying_temporary_shares_its_bytes():
+    """Live ranges include both ends, so at an element-wise fusion that writes its output over an
+    operand dying there both are live; the buffer assignment gives them one slot, and the bytes
+    they share count once. A GPT block's fused forward-backward measured 1 MiB more without this."""
+    from jaxremat.profiling.xla_buffers import _peak, _Slot
+
+    seq = ["a", "b", "c", "d"]
+    ranges = {"a{}": (0, 2), "b{}": (2, 3), "c{}": (1, 3)}
+    slots = {"a{}": _Slot(0, 0, 100), "b{}": _Slot(0, 0, 100), "c{}": _Slot(0, 100, 50)}
+    assert _peak(seq, ranges, slots)[:4] == [100, 150, 150, 150]  # b over a at 2: counted once
+    moved = {**slots, "b{}": _Slot(1, 0, 100)}  # another allocation: both live at 2
+    assert _peak(seq, ranges, moved)[:4] == [100, 150, 250, 150]
+    apart = {**slots, "b{}": _Slot(0, 160, 100)}  # same allocation, bytes apart
+    assert _peak(seq, ranges, apart)[:4] == [100, 150, 250, 150]

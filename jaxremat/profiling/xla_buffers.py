@@ -119,15 +119,17 @@ def _peak(seq: list[str], ranges: dict[str, tuple[int, int]], slots: dict[str, _
     """
     live = live if live is not None else [0] * (len(seq) + 1)
     starting: dict[tuple[int, int], list[_Slot]] = {}  # (allocation, first instruction) -> slots
+    ending: list[tuple[_Slot, int]] = []  # (slot, last instruction)
     for name, slot in slots.items():
         if name in ranges:
             lo, hi = ranges[name]
             for t in range(lo, min(hi, len(seq)) + 1):
                 live[t] += slot.size
             starting.setdefault((slot.allocation, lo), []).append(slot)
-    for name, slot in slots.items():
-        hi = ranges.get(name, (0, len(seq) + 1))[1]
-        for other in starting.get((slot.allocation, hi), []) if hi <= len(seq) else []:
+            if hi <= len(seq):
+                ending.append((slot, hi))
+    for slot, hi in ending:
+        for other in starting.get((slot.allocation, hi), []):
             if other is not slot:  # written over this one as it dies
                 live[hi] -= max(0, min(slot.offset + slot.size, other.offset + other.size) - max(slot.offset, other.offset))
     return live
