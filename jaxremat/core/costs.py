@@ -144,14 +144,12 @@ class ChainCosts:
             object.__setattr__(self, name, arr)
         object.__setattr__(self, "options", check_options(self.options, n))
         object.__setattr__(self, "shared", check_shared(self.shared, self.x))
-        held = np.zeros(n, np.int64) if self.held is None else _as_array("held", self.held, integral=True)
-        if len(held) != n:
-            raise ValueError(f"ChainCosts.held has {len(held)} entries; expected L = {n} (one per stage)")
-        object.__setattr__(self, "held", held)
-        reuse = np.zeros(n, np.int64) if self.fb_reuse is None else _as_array("fb_reuse", self.fb_reuse, integral=True)
-        if len(reuse) != n:
-            raise ValueError(f"ChainCosts.fb_reuse has {len(reuse)} entries; expected L = {n} (one per stage)")
-        object.__setattr__(self, "fb_reuse", reuse)
+        for name in ("held", "fb_reuse"):  # optional per-stage bytes, zeros by default
+            value = getattr(self, name)
+            arr = np.zeros(n, np.int64) if value is None else _as_array(name, value, integral=True)
+            if len(arr) != n:
+                raise ValueError(f"ChainCosts.{name} has {len(arr)} entries; expected L = {n} (one per stage)")
+            object.__setattr__(self, name, arr)
         for v in self.shared:  # a bundle holds its output's new shared values
             made = v.first - 1
             for k in range(self.option_count(made)):
