@@ -18,24 +18,32 @@ import datetime
 import time
 from pathlib import Path
 
+from typing import NamedTuple
+
 import jax
 
 from jaxremat import Chain, profile
 from jaxremat.api.calibrate import measured_loss
-from jaxremat.tools.compare import Point, compare
+from jaxremat.tools.bench import fits_in_flops
+from jaxremat.tools.compare import compare
 from jaxremat.tools.models import SAMPLES, sample_input
 
 MIB = 2**20
 
 
-def fits(manual: Point, asked: Point) -> bool:
-    """The plan fits the strategy's XLA memory in no more compiled flops (0.1% slack on flops)."""
-    return asked.temp <= manual.temp and asked.flops <= manual.flops * (1 + 1e-3)
+class ModelCheck(NamedTuple):
+    """One model's table rows, its wins of its asked rows, and the least and largest XLA temp /
+    predicted over the asked and sweep rows."""
+
+    rows: list[str]
+    wins: int
+    asked: int
+    low: float
+    high: float
 
 
-def check(name: str) -> tuple[list[str], int, int, float, float]:
-    """Rows of the table for model ``name``, its wins, its asked rows, and the least and largest
-    XLA temp / predicted over the asked and sweep rows."""
+def check(name: str) -> ModelCheck:
+    """The asked rows and the sweep of model ``name`` (:data:`SAMPLES`), compiled, not timed."""
     factory, shape, dtype = SAMPLES[name]
     model, x = factory(), sample_input(shape, dtype)
     chain = Chain.from_linen(model)
@@ -54,7 +62,7 @@ def check(name: str) -> tuple[list[str], int, int, float, float]:
         if not p.predicted_peak:  # did not fit: the note says why
             rows.append(f"| {name} | {m.strategy} | {m.temp / MIB:.2f} | {m.flops / base:.3f} | | | | | {p.note} |")
             continue
-        ok = fits(m, p)
+        ok = fits_in_flops(m, p)
         wins += ok
         why = "ok" if ok else ", ".join(
             w for w, bad in (("more memory", p.temp > m.temp), ("more flops", p.flops > m.flops * (1 + 1e-3))) if bad
@@ -63,7 +71,7 @@ def check(name: str) -> tuple[list[str], int, int, float, float]:
             f"| {name} | {m.strategy} | {m.temp / MIB:.2f} | {m.flops / base:.3f} | {p.predicted_peak / MIB:.2f} "
             f"| {p.temp / MIB:.3f} | {p.temp / p.predicted_peak:.3f} | {p.flops / base:.3f} | {why} |"
         )
-    return rows, wins, asked, min(ratios), max(ratios)
+    return ModelCheck(rows, wins, asked, min(ratios), max(ratios))
 
 
 def main() -> None:
@@ -79,12 +87,12 @@ def main() -> None:
     total = [0, 0]
     for name in args.models:
         t0 = time.perf_counter()
-        rows, wins, asked, lo, hi = check(name)
-        print(f"{name}: {wins} of {asked}, temp / predicted {lo:.3f}-{hi:.3f} ({time.perf_counter() - t0:.0f} s)",
-              flush=True)
-        table += rows
-        summary.append(f"| {name} | {wins} of {asked} | {lo:.3f}–{hi:.3f} |")
-        total = [total[0] + wins, total[1] + asked]
+        c = check(name)
+        print(f"{name}: {c.wins} of {c.asked}, temp / predicted {c.low:.3f}-{c.high:.3f} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        table += c.rows
+        summary.append(f"| {name} | {c.wins} of {c.asked} | {c.low:.3f}–{c.high:.3f} |")
+        total = [total[0] + c.wins, total[1] + c.asked]
     text = "\n".join([
         "# Asked plans against hand-written strategies: memory and flops (no timing)",
         "",

@@ -52,9 +52,15 @@ def verdict(cmp: Comparison, manual: Any, asked: Any) -> str:
     return ", ".join(parts)
 
 
+def fits_in_flops(manual: Any, asked: Any) -> bool:
+    """Whether the compiled ``asked`` point uses no more XLA temp than ``manual`` and no more
+    compiled flops (0.1% slack)."""
+    return asked.temp <= manual.temp and asked.flops <= manual.flops * (1 + 1e-3)
+
+
 def flops_verdict(manual: Any, asked: Any) -> bool:
     """Whether jaxremat, asked for a manual strategy's memory, fits it in no more compiled flops."""
-    return asked is not None and bool(asked.times) and asked.temp <= manual.temp and asked.flops <= manual.flops * (1 + 1e-3)
+    return asked is not None and bool(asked.times) and fits_in_flops(manual, asked)
 
 
 def strategies_table(cmp: Comparison) -> list[str]:
