@@ -18,11 +18,13 @@ class Env:
     """What the stages of a loop iteration or a region read instead of the step's own:
     ``variables`` by stage, the ``offset`` of their copy index (iteration ``u`` of a loop over
     ``p`` stages runs copies ``u * p + ...``, whose keys are folded with that index), and
-    ``keys`` by stage (a region's stages get their keys as inputs)."""
+    ``keys`` by stage (a region's stages get their keys as inputs); ``at_input``: a region's
+    stages start at the chain's input, whose cotangent is dead."""
 
     variables: dict[int, Any]
     offset: Any = 0
     keys: dict[int, Any] | None = None
+    at_input: bool = False
 
 
 @dataclass(frozen=True)

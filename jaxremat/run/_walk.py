@@ -16,7 +16,7 @@ from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs, stage_rngs
 from jaxremat.run._grad_tie import tied_gradients
 from jaxremat.run._offload import offloaded_stage
-from jaxremat.run._regions import tied_checkpoint
+from jaxremat.run._regions import mark_of, tap, tied_checkpoint
 from jaxremat.run._scans import run_offload_loop, run_selective, scan_units
 from jaxremat.run._variables import Cut, Env, unstack
 from jaxremat.run.loop_plan import Alike, LoopPlan, OffloadLoop, PatternLoop, SelectiveLoop, Stretch
@@ -84,16 +84,22 @@ class Walker:
         owned = {i: self.variables(i, env) for i in span}
         owned_keys = {i: self.keys(i, env) for i in span}
 
-        def body(owned: dict, owned_keys: dict, a: Any, first: Any) -> tuple[Any, dict]:
+        at_input = unit.start == 0 and (env is None or env.at_input)
+        tap_at = last_read(unit.inner) if at_input else None
+
+        def body(owned: dict, owned_keys: dict, a: Any, first: Any, token: Any) -> tuple[Any, dict, Any]:
             local: dict = {}
-            return self.run(unit.inner, unit.stop, a, local, Env(owned, 0, owned_keys), first), local
+            tapped = None if token is None else (tap_at, token)
+            marks: list = []
+            out = self.run(unit.inner, unit.stop, a, local, Env(owned, 0, owned_keys, at_input), first, tapped, marks)
+            return out, local, marks[0] if marks else None
 
         warn_unless_planned(stacklevel=7)
         offload = env is None and ("a", unit.start) in self.offloaded
         inner = {j for u in units(unit.inner)[0] if isinstance(u, RegionUnit) for j in range(u.start, u.stop)}
         region = tied_checkpoint(
             body, offload=offload, inner=inner, direct_cotangent=unit.stop < self.L, ordered=token is not None,
-            waits=waits,
+            waits=waits, tapped=tap_at is not None,
         )
         a, local, token = region(owned, owned_keys, a, token)
         updates.update(local)
@@ -106,29 +112,44 @@ class Walker:
         region = [isinstance(u, RegionUnit) for u in run]
         return [j > 0 and region[j] and region[j - 1] and run[j].start - 1 in self.reuses for j in range(len(run))]
 
-    def in_turn(self, run: tuple[Unit, ...], a: Any, updates: dict, env: Env | None, first: Any = None) -> Any:
+    def in_turn(
+        self, run: tuple[Unit, ...], a: Any, updates: dict, env: Env | None, first: Any = None,
+        tapped: tuple[int, Any] | None = None,
+    ) -> Any:
         """The units of ``run`` one after another. ``first``: the token of a region whose body
         ``run`` is, where that region hands its input's cotangent over directly: a region
-        starting the body does too (the cotangent leaves through it)."""
+        starting the body does too (the cotangent leaves through it). ``tapped``: a stage and
+        the token tapped into its input (:func:`~jaxremat.run._regions.tap`)."""
         handed = self.handovers(run)
         if first is not None and run and isinstance(run[0], RegionUnit):
             handed[0] = True
         token = first
         for j, unit in enumerate(run):
+            if tapped is not None and unit.start == tapped[0]:
+                a = tap(a, tapped[1])
             a, token = self.unit(unit, a, updates, env, token if handed[j] else None,
                                  waits=j + 1 < len(run) and handed[j + 1])
         return a
 
     # -- trees -------------------------------------------------------------------------------------
 
-    def run(self, node: Node, stop: int, a: Any, updates: dict, env: Env | None = None, first: Any = None) -> Any:
+    def run(
+        self, node: Node, stop: int, a: Any, updates: dict, env: Env | None = None, first: Any = None,
+        tapped: tuple[int, Any] | None = None, marks: list | None = None,
+    ) -> Any:
         """Apply the stages of ``node`` below ``stop`` (the loss is not a stage). Loops only at
-        the top level (``env is None``); inside a region its variables are explicit inputs."""
+        the top level (``env is None``); inside a region its variables are explicit inputs.
+        ``first`` and ``tapped``: as for :meth:`in_turn`; ``marks``: gets one element of the
+        last stage's input where units run before it (:func:`~jaxremat.run._regions.mark_of`)."""
         spine, leaf = units(node)
         if env is None:
             a = self.top(a, updates)
         else:
-            a = self.in_turn(spine, a, updates, env, first)
+            a = self.in_turn(spine, a, updates, env, first, tapped)
+        if tapped is not None and leaf.stage == tapped[0]:
+            a = tap(a, tapped[1])
+        if marks is not None and spine:
+            marks.append(mark_of(a))
         if leaf.stage < min(self.L, stop):  # FB or Fall; B: the stage's forward right before its backward
             a = self.stage(leaf.stage, a, updates, env, leaf.option)
         return a
@@ -205,6 +226,16 @@ class Walker:
         return [
             jax.tree.map(lambda *xs: jnp.stack(xs), *[self.cut.per_stage[u.start + p] for u in run]) for p in range(k)
         ]
+
+
+def last_read(inner: Node) -> int | None:
+    """The first stage after the chain's first that a region recomputing as ``inner`` (from the
+    chain's input) owns, not a region inside it: its backward makes the last of the region's
+    reads of its kernels for input gradients (the first stage's input gradient is dead).
+    ``None`` where the region owns no such stage."""
+    spine, leaf = units(inner)
+    own = [u.stage for u in spine if isinstance(u, StoreUnit)] + [leaf.stage]
+    return min((i for i in own if i > 0), default=None)
 
 
 __all__ = ["Walker"]
