@@ -86,17 +86,17 @@ class Walker:
 
         at_input = unit.start == 0 and (env is None or env.at_input)
         tap_at = last_read(unit.inner) if at_input else None
+        inner = {j for u in units(unit.inner)[0] if isinstance(u, RegionUnit) for j in range(u.start, u.stop)}
 
         def body(owned: dict, owned_keys: dict, a: Any, first: Any, token: Any) -> tuple[Any, dict, Any]:
             local: dict = {}
             tapped = None if token is None else (tap_at, token)
-            marks: list = []
+            marks: list | None = [] if inner else None  # the mark orders an inner region's kernel reads
             out = self.run(unit.inner, unit.stop, a, local, Env(owned, 0, owned_keys, at_input), first, tapped, marks)
             return out, local, marks[0] if marks else None
 
         warn_unless_planned(stacklevel=7)
         offload = env is None and ("a", unit.start) in self.offloaded
-        inner = {j for u in units(unit.inner)[0] if isinstance(u, RegionUnit) for j in range(u.start, u.stop)}
         region = tied_checkpoint(
             body, offload=offload, inner=inner, direct_cotangent=unit.stop < self.L, ordered=token is not None,
             waits=waits, tapped=tap_at is not None,
