@@ -55,8 +55,8 @@ def tied_checkpoint(
     ordered: bool = False, waits: bool = False, tapped: bool = False,
 ) -> Callable[..., tuple[Any, dict, jax.Array]]:
     """``body(variables, keys, a, token, tap) -> (out, updates, mark)`` keeping only its inputs
-    for the backward pass, where it is recomputed once the output's cotangent has arrived. ``offload=True``
-    keeps the saved input ``a`` in host memory until the backward pass needs it. ``inner``: the
+    for the backward pass, where it is recomputed once the output's cotangent has arrived.
+    ``offload=True`` keeps the saved input ``a`` in host memory until the backward pass needs it. ``inner``: the
     keys of ``variables`` that regions inside ``body`` own (their gradients have passed those
     regions' barriers already). ``direct_cotangent=False``: the backward reads the incoming
     cotangent as the barrier returns it (the region holding the chain's last stage; see below).
@@ -93,11 +93,12 @@ def tied_checkpoint(
       again for its own. ``body`` returns a ``mark``, one element of its last stage's input
       (:func:`mark_of`; ``None`` if it runs no unit before that stage, or holds no region), and
       this backward's cotangent waits for it (:func:`after`): every gradient made here, the
-      inner regions' included, comes after the recomputation. Only where a region is inside:
-      marked too, a region stored whole inside (the sqrt schedule) changed XLA's schedule both
-      ways, the GPT's 28.1 MiB plan to 29.9 and the autoencoder's 20.5 MiB one to 17.5. Without it, on the conv autoencoder (a region
-      over every stage, one inside it over all but the last), XLA copied every inner kernel;
-      on its least-budget plan, 8.94 MiB of temp where 8.00 were planned.
+      inner regions' included, comes after the recomputation. Without it, on the conv
+      autoencoder (a region over every stage, one inside it over all but the last), XLA copied
+      every inner kernel; on its least-budget plan, 8.94 MiB of temp where 8.00 were planned.
+      Only where a region is inside: a region of stages stored whole (the sqrt schedule),
+      marked too, changed XLA's schedule both ways, the GPT's 28.1 MiB plan to 29.9 and the
+      autoencoder's 20.5 MiB one to 17.5 (predicted 28.1 and 22.0).
     * the reads for the stages' input gradients, where the region starts at the chain's input
       (``tapped=True``): that input's cotangent is dead, so XLA drops it from the final barrier
       below, and the weight gradients leaving through it wait for none of those reads. ``body``
