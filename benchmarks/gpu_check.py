@@ -13,12 +13,18 @@ grows, so each reading is that step's peak as long as the order holds; a reading
 grow is marked ``<=``). Times: median of timed calls synchronised with ``block_until_ready``.
 Offload plans' gradients are compared with the no-remat step's (offloaded residuals have given
 wrong gradients on GPUs before). Prints a short table last and writes it to
-``benchmarks/results/gpu_check.md`` with the card and date.
+``benchmarks/results/gpu_check.md`` with the card and date, rewritten after each model so that a
+run stopped from outside keeps what it measured.
+
+A lent GPU's time is short: ``--deadline`` (seconds from the start, default 420) stops starting
+new profiles and compilations once passed; the strategies left out are listed under the table,
+and what was compiled is still run and timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import sys
@@ -50,6 +56,30 @@ MANUAL = ("no remat", "remat every block", "checkpoint whole chain", "policy dot
           "policy dots_with_no_batch_dims_saveable")
 
 
+@dataclasses.dataclass
+class Clock:
+    """Seconds since the run began, and the deadline after which nothing new is compiled."""
+
+    deadline: float
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def log(self, message: str) -> None:
+        print(f"  [{self.elapsed:5.0f} s] {message}", flush=True)
+
+    def late(self, what: str) -> bool:
+        """Whether the deadline has passed; if so ``what`` is recorded as left out."""
+        if self.elapsed < self.deadline:
+            return False
+        self.skipped.append(what)
+        self.log(f"past the {self.deadline:.0f} s deadline: {what} left out")
+        return True
+
+
 def device_bytes(key: str) -> int | None:
     stats = jax.devices()[0].memory_stats()
     return None if not stats or key not in stats else int(stats[key])
@@ -76,16 +106,25 @@ def prepared(model, shape: tuple, dtype: str, high: int) -> tuple:
     return x, chain, v, costs_of(chain, v, x)
 
 
-def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: int) -> list[list[str]]:
+def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: int, clock: Clock) -> list[list[str]]:
+    if clock.late(label):
+        return []
     x, chain, v, costs = prepared(factory(**kwargs), shape, dtype, kwargs.get("vocab", 2))
+    clock.log(f"profiled {len(chain)} stages")
     per = chain.split(v)
     params = [u.get("params", {}) for u in per]
     x0 = int(costs.x[0])
     manual = compare.manual_strategies(chain)
     k = max(2, round(math.sqrt(len(chain))))
     names = [n for n in manual if n in MANUAL or n.startswith(f"checkpoint every {k} blocks")]
-    points = [compare.compile_point(compare.Point(n, "manual"), manual[n], per, params, x) for n in names]
+    points = []
+    for n in names:
+        if not (points and clock.late(f"{label}: {n}")):  # no remat always: the rows' baseline
+            points.append(compare.compile_point(compare.Point(n, "manual"), manual[n], per, params, x))
+            clock.log(f"compiled {n} ({points[-1].compile_s:.0f} s)")
     for m in list(points[1:]):
+        if clock.late(f"{label}: jaxremat at '{m.strategy}'"):
+            continue
         try:
             sched = jr.solve(costs, m.temp + x0)
         except jr.InfeasibleBudget as e:
@@ -95,9 +134,12 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
         p = compare.Point(f"jaxremat at '{m.strategy}'", "matched", predicted_peak=sched.peak - x0,
                           predicted_overhead=sched.overhead, matches=m.strategy)
         points.append(compare.compile_point(p, lambda vs, a, f=f: f(chain.merge(vs), a)[0], per, params, x))
+        clock.log(f"compiled {p.strategy} ({p.compile_s:.0f} s)")
     bw = bandwidth()
     for share in ("30%", "50%"):
         for alg in ("optimal", "optimal_offload"):
+            if clock.late(f"{label}: jaxremat {alg} at {share}"):
+                continue
             try:
                 sched = jr.solve(costs, share, algorithm=alg, **({"bandwidth": bw} if alg == "optimal_offload" else {}))
             except jr.InfeasibleBudget:
@@ -106,6 +148,7 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
             p = compare.Point(f"jaxremat {alg} at {share} ({len(sched.offloads)} offloaded)", "offload",
                               predicted_peak=sched.peak - x0, predicted_overhead=sched.overhead)
             points.append(compare.compile_point(p, lambda vs, a, f=f: f(chain.merge(vs), a)[0], per, params, x))
+            clock.log(f"compiled {p.strategy} ({p.compile_s:.0f} s)")
     return measure(label, points, params, x, calls)
 
 
@@ -141,24 +184,29 @@ def measure(label: str, points: list, params: list, x, calls: int) -> list[list[
         rows.append([label, p.strategy + (f"; {p.matches}" if p.kind == "offload" and p.matches else ""),
                      jr.format_bytes(p.temp),
                      "" if p.predicted_peak is None else jr.format_bytes(p.predicted_peak), p.note,
-                     f"{p.time * 1e3:.1f}", f"{p.time / base.time:.2f}",
+                     f"{p.time * 1e3:.1f}", f"{p.time / base.time:.2f}", f"{p.flops / base.flops:.2f}",
                      "" if p.predicted_overhead is None else f"{p.predicted_overhead:.2f}"])
         p.compiled = None
     return rows
 
 
-def stacked_offload(label: str, kwargs: dict, shape: tuple, dtype: str, calls: int) -> list[list[str]]:
+def stacked_offload(label: str, kwargs: dict, shape: tuple, dtype: str, calls: int, clock: Clock) -> list[list[str]]:
     """The GPT with its blocks as one ``jr.Repeat`` (stacked parameters, as ``nn.scan`` keeps
     them): remat + offload plans at 30% and 50% run as offload loops (a scan per run of alike
     copies, residuals moved as scan outputs), gradients against the stacked model's plain step."""
+    if clock.late(f"{label} (blocks stacked)"):
+        return []
     model = gpt(**kwargs, stacked=True)
     x, chain, v, costs = prepared(model, shape, dtype, kwargs["vocab"])
+    clock.log("profiled the stacked model")
     per = chain.layer_variables(v)  # the stack as the model keeps it
     params = [u.get("params", {}) for u in per]
     x0 = int(costs.x[0])
     plain = lambda vs, a: model.apply(chain.from_layer_variables(vs), a)  # noqa: E731
     points = [compare.compile_point(compare.Point("no remat", "manual"), plain, per, params, x)]
     for share in ("30%", "50%"):
+        if clock.late(f"{label} (blocks stacked): jaxremat optimal_offload at {share}"):
+            continue
         try:
             sched = jr.solve(costs, share, algorithm="optimal_offload", bandwidth=bandwidth())
         except jr.InfeasibleBudget:
@@ -173,7 +221,30 @@ def stacked_offload(label: str, kwargs: dict, shape: tuple, dtype: str, calls: i
         unrolled = any("runs unrolled" in str(w.message) for w in seen)
         p.strategy += ", unrolled" if unrolled else ", as loops"
         points.append(p)
+        clock.log(f"compiled {p.strategy} ({p.compile_s:.0f} s)")
     return measure(label + " (blocks stacked: one jr.Repeat)", points, params, x, calls)
+
+
+def render(rows: list[list[str]], card: str, clock: Clock, tiny: bool) -> str:
+    """The results file: the table, the command and what the deadline left out."""
+    head = ["model", "strategy", "XLA temp", "predicted", "peak_bytes_in_use - before", "step ms", "over no remat",
+            "flops over no remat", "predicted over store-all"]
+    lines = [
+        f"# GPU check: {card}, {datetime.date.today().isoformat()}, jax {jax.__version__}",
+        "",
+        f"Command: `python benchmarks/gpu_check.py{' --tiny' if tiny else ''}` "
+        f"({clock.elapsed:.0f} s in all, deadline {clock.deadline:.0f} s)",
+        "",
+        f"Host links (jaxremat.profiling.bandwidth, measured once): {bandwidth().to_host / 1e9:.1f} GB/s to the host, "
+        f"{bandwidth().to_device / 1e9:.1f} GB/s back" + (" (a stand-in: nothing moves on the CPU)" if tiny else ""),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *["| " + " | ".join(r) + " |" for r in rows],
+    ]
+    if clock.skipped:
+        lines += ["", "Left out at the deadline: " + "; ".join(clock.skipped) + "."]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -182,36 +253,29 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--calls", type=int, default=10, help="timed calls per strategy (default 10)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--only", help="run only the models whose name contains this")
+    parser.add_argument("--deadline", type=float, default=420.0,
+                        help="seconds after which no new profile or compilation starts (default 420)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "gpu_check.md",
+                        help="where the table is written (default benchmarks/results/gpu_check.md)")
     args = parser.parse_args(argv)
     dev = jax.devices()[0]
     card = getattr(dev, "device_kind", dev.platform)
-    t_start = time.perf_counter()
-    rows = []
-    for label, (factory, kwargs, shape, dtype) in (TINY if args.tiny else SIZES).items():
-        if args.only and args.only not in label:
-            continue
-        print(f"{label} ...", flush=True)
-        rows += check(label, factory, kwargs, shape, dtype, args.calls)
-        if factory is gpt:
-            rows += stacked_offload(label, kwargs, shape, dtype, args.calls)
-    head = ["model", "strategy", "XLA temp", "predicted", "peak_bytes_in_use - before", "step ms", "over no remat",
-            "predicted over store-all"]
-    lines = [
-        f"# GPU check: {card}, {datetime.date.today().isoformat()}, jax {jax.__version__}",
-        "",
-        f"Command: `python benchmarks/gpu_check.py{' --tiny' if args.tiny else ''}` "
-        f"({time.perf_counter() - t_start:.0f} s in all)",
-        "",
-        f"Host links (jaxremat.profiling.bandwidth, measured once): {bandwidth().to_host / 1e9:.1f} GB/s to the host, "
-        f"{bandwidth().to_device / 1e9:.1f} GB/s back" + (" (a stand-in: nothing moves on the CPU)" if args.tiny else ""),
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-        *["| " + " | ".join(r) + " |" for r in rows],
-    ]
-    text = "\n".join(lines) + "\n"
-    if not args.no_write and not args.tiny:
-        (Path(__file__).resolve().parent / "results" / "gpu_check.md").write_text(text)
+    clock = Clock(args.deadline)
+    rows: list[list[str]] = []
+    text = ""
+    models = [(label, m) for label, m in (TINY if args.tiny else SIZES).items() if not args.only or args.only in label]
+    # every model's check first, the stacked GPT's offload loops last: what the deadline cuts first
+    runs = [(label, check, m) for label, m in models]
+    runs += [(label, stacked_offload, m) for label, m in models if m[0] is gpt]
+    for label, run, (factory, kwargs, shape, dtype) in runs:
+        print(f"{label}{' (stacked)' if run is stacked_offload else ''} ...", flush=True)
+        if run is check:
+            rows += check(label, factory, kwargs, shape, dtype, args.calls, clock)
+        else:
+            rows += stacked_offload(label, kwargs, shape, dtype, args.calls, clock)
+        text = render(rows, card, clock, args.tiny)
+        if not args.no_write and not args.tiny:
+            args.out.write_text(text)  # after each model: a run stopped from outside keeps what it measured
     print(text)
     return text
 
