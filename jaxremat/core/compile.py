@@ -2,8 +2,11 @@
 
 XLA:CPU removes optimisation barriers early (pass ``cse_barrier_expander``) and CSE then merges a
 recomputation back into the forward pass, so on the CPU ``jax.checkpoint`` and jaxremat's
-regions change neither flops nor memory unless that pass is disabled. Other backends keep the
-barriers until after scheduling and need nothing.
+regions change neither flops nor memory unless that pass is disabled. Other backends keep remat
+without it and must not be given the option: XLA:GPU expands the barriers with that pass itself,
+and with it disabled fails to compile them ("Unsupported instruction opcode: opt-barrier", an
+H200 with jax 0.11.2). So no buffer dump of a GPU program shows a barrier
+(:func:`barriers_survive`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ def compiler_options() -> dict[str, str]:
     """XLA options that keep remat real on this backend: ``cse_barrier_expander`` off on the CPU,
     none elsewhere. Pass them to ``jax.jit(..., compiler_options=...)`` or ``Lowered.compile``."""
     return dict(REMAT_OPTIONS) if jax.default_backend() == "cpu" else {}
+
+
+def barriers_survive() -> bool:
+    """Whether programs compiled with :func:`compiler_options` on this backend keep their
+    optimisation barriers into the buffer assignment (the CPU only), where the profiler reads what
+    is live across them."""
+    return jax.default_backend() == "cpu"
 
 
 def as_planned(fn: Callable) -> Callable:
@@ -111,4 +121,4 @@ def warn_unless_planned(stacklevel: int = 3) -> None:
     )
 
 
-__all__ = ["REMAT_OPTIONS", "as_planned", "compiler_options", "jit", "remat_is_kept", "warn_unless_planned"]
+__all__ = ["REMAT_OPTIONS", "as_planned", "barriers_survive", "compiler_options", "jit", "remat_is_kept", "warn_unless_planned"]

@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jax_core
 
-from jaxremat.core.compile import REMAT_OPTIONS
+from jaxremat.core.compile import barriers_survive, compiler_options
 from jaxremat.model.kernel_reads import orders_kernel_reads, reads_after_cotangent
 from jaxremat.model.stage import Stage, convolves
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
@@ -117,7 +117,13 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = Fals
     activations there, and its parameters the kernels where the executor does not order their
     reads after the cotangent). ``step_input``: the stage is the chain's first, its input the
     step's argument (copies of it count).
+
+    Where the barrier does not survive into the buffer assignment (XLA:GPU), the residuals
+    ``jax.vjp`` hands the backward, as :func:`scan_residual_bytes` counts them: JAX's choice
+    before XLA's fusion, which may keep less.
     """
+    if not barriers_survive():
+        return scan_residual_bytes(g, params, a_shape, rest, rng)
 
     def kept(params, a, rest, rng, cot):
         out, vjp = jax.vjp(lambda p, x: g(p, x, rest, rng), params, a)
@@ -288,7 +294,7 @@ def profile_stage(
     params, rest = _split_params(abstract(variables))  # shapes only: works under a trace
     rng = jax.random.key(0)
     out_shape = jax.eval_shape(g, params, a_shape, rest, rng)
-    fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(REMAT_OPTIONS)
+    fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(compiler_options() or None)
     if is_sharded((params, a_shape)):  # on a mesh: the output (and its cotangent) as XLA lays it out
         out_shape = with_shardings(out_shape, fwd_c.output_shardings)
     cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_of(s)), out_shape)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, NamedTuple
 
 import jax
 
-from jaxremat.core.compile import REMAT_OPTIONS
+from jaxremat.core.compile import compiler_options
 
 _VALUE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
 _ALLOC = re.compile(r"^allocation (\d+): size \d+(.*)$")
@@ -29,7 +29,7 @@ _SEQ = re.compile(r"^\s*(\d+):(\S+)$")
 def compile_with_dump(fn: Callable, *args: Any, options: dict | None = None) -> tuple[Any, str]:
     """Compile ``jax.jit(fn)(*args)`` with XLA's buffer dumps; return (compiled, dump folder)."""
     folder = tempfile.mkdtemp(prefix="jaxremat-xla-")
-    opts = {**REMAT_OPTIONS, **(options or {}), "xla_dump_to": folder, "xla_dump_hlo_pass_re": ""}
+    opts = {**compiler_options(), **(options or {}), "xla_dump_to": folder, "xla_dump_hlo_pass_re": ""}
     compiled = jax.jit(fn, keep_unused=True).lower(*args).compile(opts)  # parameter numbers = leaf order
     return compiled, folder
 
