@@ -117,22 +117,23 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
     manual = compare.manual_strategies(chain)
     k = max(2, round(math.sqrt(len(chain))))
     names = [n for n in manual if n in MANUAL or n.startswith(f"checkpoint every {k} blocks")]
-    points = []
-    for n in names:
-        if not (points and clock.late(f"{label}: {n}")):  # no remat always: the rows' baseline
-            points.append(compare.compile_point(compare.Point(n, "manual"), manual[n], per, params, x))
-            clock.log(f"compiled {n} ({points[-1].compile_s:.0f} s)")
-    for m in list(points[1:]):
-        if clock.late(f"{label}: jaxremat at '{m.strategy}'"):
+    points: list = []
+    for n in names:  # each strategy, then jaxremat asked for its memory: pairs, whatever the deadline cuts
+        if points and clock.late(f"{label}: {n}"):  # no remat always: the rows' baseline
+            continue
+        points.append(compare.compile_point(compare.Point(n, "manual"), manual[n], per, params, x))
+        m = points[-1]
+        clock.log(f"compiled {n} ({m.compile_s:.0f} s)")
+        if len(points) == 1 or clock.late(f"{label}: jaxremat at '{n}'"):
             continue
         try:
             sched = jr.solve(costs, m.temp + x0)
         except jr.InfeasibleBudget as e:
-            print(f"  jaxremat at {m.strategy}'s memory: does not fit (least {jr.format_bytes(e.min_budget)})")
+            print(f"  jaxremat at {n}'s memory: does not fit (least {jr.format_bytes(e.min_budget)})")
             continue
         f = jr.execute(chain, sched)
-        p = compare.Point(f"jaxremat at '{m.strategy}'", "matched", predicted_peak=sched.peak - x0,
-                          predicted_overhead=sched.overhead, matches=m.strategy)
+        p = compare.Point(f"jaxremat at '{n}'", "matched", predicted_peak=sched.peak - x0,
+                          predicted_overhead=sched.overhead, matches=n)
         points.append(compare.compile_point(p, lambda vs, a, f=f: f(chain.merge(vs), a)[0], per, params, x))
         clock.log(f"compiled {p.strategy} ({p.compile_s:.0f} s)")
     bw = bandwidth()

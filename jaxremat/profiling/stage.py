@@ -105,7 +105,8 @@ def _cost(compiled: Any) -> tuple[float, float]:
     ca = compiled.cost_analysis()
     if isinstance(ca, list):
         ca = ca[0] if ca else {}
-    return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
+    # XLA:GPU reports -1 where it cannot count (a cuDNN convolution): 0 here, read as unknown
+    return max(0.0, float(ca.get("flops", 0.0))), max(0.0, float(ca.get("bytes accessed", 0.0)))
 
 
 def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = False) -> int:
