@@ -185,7 +185,7 @@ def measure(label: str, points: list, params: list, x, calls: int) -> list[list[
         rows.append([label, p.strategy + (f"; {p.matches}" if p.kind == "offload" and p.matches else ""),
                      jr.format_bytes(p.temp),
                      "" if p.predicted_peak is None else jr.format_bytes(p.predicted_peak), p.note,
-                     f"{p.time * 1e3:.1f}", f"{p.time / base.time:.2f}", f"{p.flops / base.flops:.2f}",
+                     f"{p.time * 1e3:.1f}", f"{p.time / base.time:.2f}", f"{p.flops / base.flops:.2f}" if p.flops > 0 and base.flops > 0 else "n/a",
                      "" if p.predicted_overhead is None else f"{p.predicted_overhead:.2f}"])
         p.compiled = None
     return rows
