@@ -349,3 +349,21 @@ def test_an_options_backward_time_is_at_most_fbs():
     assert option_time(5.28, 4.52, 6.21) == 5.28  # below FB: as measured
     assert option_time(5.0, 4.5, 4.0) == 4.5  # FB measured under the backward: the backward's time
     assert option_time(4.0, 4.5, 6.0) == 4.0  # a measurement under the backward's stands
+
+
+def test_a_policy_candidate_takes_the_least_kept_option_where_a_stage_lacks_the_policy():
+    """The profiler drops an option no better than another (a patch embedding's
+    ``dots_with_no_batch_dims_saveable`` keeps what its ``dots_saveable`` keeps); the candidate
+    "every stage under" that policy then takes the stage's option that keeps the fewest bytes, as
+    the hand-written strategy does, not store-all."""
+    from jaxremat.solvers.optimal import candidates
+
+    dots = jr.StageOption("dots_saveable", 150, 2.0, 0)
+    nobatch = jr.StageOption("dots_with_no_batch_dims_saveable", 120, 2.5, 0)
+    costs = jr.ChainCosts(x=[100, 100, 100], xbar=[300, 300], fwd=[1.0, 1.0], bwd=[2.0, 2.0], fwd_tmp=[0, 0],
+                          bwd_tmp=[0, 0], options=[[dots], [dots, nobatch]])
+    ops = candidates(costs)["every stage under dots_with_no_batch_dims_saveable"]
+    assert [op.option for op in ops if op.kind == "Fall"] == [1, 2]
+    peak, time = jr.simulate(costs, ops)
+    opt = jr.solve(costs, peak)
+    assert opt.peak <= peak and opt.time <= time

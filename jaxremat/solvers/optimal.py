@@ -81,14 +81,25 @@ def op_time(costs: ChainCosts, ops: list[Op]) -> float:
 
 def candidates(costs: ChainCosts) -> dict[str, list[Op]]:
     """Fixed schedules (all persistent) that ``optimal`` also considers: the baselines, and for
-    each checkpoint policy of the stages' store options, every stage stored under it where it has
-    it (what ``jax.checkpoint(block, policy=...)`` around every block does)."""
+    each checkpoint policy of the stages' store options, every stage stored under it (what
+    ``jax.checkpoint(block, policy=...)`` around every block does).
+
+    A stage without that policy's option had it dropped by the profiler as no better than
+    another of its options, which then keeps no more bytes: there the candidate takes the option
+    that keeps the fewest (fastest among equals). An MLP-Mixer's patch embedding under
+    ``dots_with_no_batch_dims_saveable`` keeps its matmul's output, as its ``dots_saveable``
+    option does (0.5 MiB), not everything (0.69 MiB, as when the candidate stored it whole)."""
     L = costs.length
     out = {name: make(L) for name, make in baselines.FIXED.items()}
     names = dict.fromkeys(o.name for per in costs.options or () for o in per)
+
+    def option(i: int, name: str) -> int:
+        ks = range(costs.option_count(i))
+        named = [k for k in ks if k and costs.option(i, k).name == name]
+        return named[0] if named else min(ks, key=lambda k: (costs.option(i, k).xbar, costs.option(i, k).bwd))
+
     for name in names:
-        ks = [next((k for k in range(1, costs.option_count(i)) if costs.option(i, k).name == name), 0) for i in range(L)]
-        out[f"every stage under {name}"] = store_all_ops(L, ks)
+        out[f"every stage under {name}"] = store_all_ops(L, [option(i, name) for i in range(L)])
     return out
 
 
