@@ -29,6 +29,7 @@ import datetime
 import math
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -63,6 +64,7 @@ class Clock:
     deadline: float
     start: float = dataclasses.field(default_factory=time.perf_counter)
     skipped: list[str] = dataclasses.field(default_factory=list)
+    failed: list[str] = dataclasses.field(default_factory=list)  # models that raised, with the error
 
     @property
     def elapsed(self) -> float:
@@ -245,6 +247,8 @@ def render(rows: list[list[str]], card: str, clock: Clock, tiny: bool) -> str:
     ]
     if clock.skipped:
         lines += ["", "Left out at the deadline: " + "; ".join(clock.skipped) + "."]
+    if clock.failed:
+        lines += ["", "Failed (the traceback is in the run's output):", *[f"- {f.splitlines()[0][:300]}" for f in clock.failed]]
     return "\n".join(lines) + "\n"
 
 
@@ -270,10 +274,16 @@ def main(argv: list[str] | None = None) -> str:
     runs += [(label, stacked_offload, m) for label, m in models if m[0] is gpt]
     for label, run, (factory, kwargs, shape, dtype) in runs:
         print(f"{label}{' (stacked)' if run is stacked_offload else ''} ...", flush=True)
-        if run is check:
-            rows += check(label, factory, kwargs, shape, dtype, args.calls, clock)
-        else:
-            rows += stacked_offload(label, kwargs, shape, dtype, args.calls, clock)
+        try:
+            if run is check:
+                rows += check(label, factory, kwargs, shape, dtype, args.calls, clock)
+            else:
+                rows += stacked_offload(label, kwargs, shape, dtype, args.calls, clock)
+        except Exception as e:  # noqa: BLE001 - a lent GPU's minutes are few: the next model still runs
+            if args.tiny:
+                raise
+            traceback.print_exc()
+            clock.failed.append(f"{label}{' (stacked)' if run is stacked_offload else ''}: {type(e).__name__}: {e}")
         text = render(rows, card, clock, args.tiny)
         if not args.no_write and not args.tiny:
             args.out.write_text(text)  # after each model: a run stopped from outside keeps what it measured
