@@ -129,6 +129,26 @@ def test_the_step_holds_exactly_the_planned_transfers(noisy):
 
 
 @TRACED
+def test_a_stage_whose_input_and_bundle_are_both_offloaded_moves_them_apart(noisy):
+    """The schedule's ``Offload 1 a`` and ``Offload 1 abar`` are two transfers (each returns
+    under its own ``Prefetch``): two ``device_put`` to the host, not one holding both. A solver
+    schedule of this shape appeared when a profile changed; the executor then moved them as one."""
+    chain, x, v, costs, _ = noisy
+    ops = [("Fck", 0), ("Offload", 1, "a"), ("Fall", 1), ("Offload", 1, "abar"), ("Fck", 2), ("Fall", 3),
+           ("Fall", 4), ("Fall", 5), ("Loss", 6), ("B", 5), ("B", 4), ("Prefetch", 1, "abar"), ("B", 3),
+           ("Prefetch", 1, "a"), ("FB", 2), ("B", 1), ("FB", 0)]
+    s = jr.Schedule.from_ops(costs, ops, budget=None, algorithm="x", bandwidth=1e12)
+    rngs = {"dropout": jax.random.key(7)}
+    f = execute(chain, s)
+    moves = _transfers(jax.make_jaxpr(lambda v, x: _grads(f, v, x, rngs))(v, x).jaxpr)
+    assert sorted(d for d, _ in moves) == ["device", "device", "host", "host"], moves
+    ref = jax.jit(lambda v, x: _grads(plain_forward(chain), v, x, rngs))(v, x)
+    got = jr.jit(lambda v, x: _grads(f, v, x, rngs))(v, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@TRACED
 def test_lowered_for_a_gpu_xla_is_handed_the_transfers(noisy):
     chain, x, v, costs, schedules = noisy
     rngs = {"dropout": jax.random.key(7)}

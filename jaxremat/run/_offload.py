@@ -53,14 +53,16 @@ def offloaded_stage(apply: Apply, *, bundle: bool, inputs: bool) -> Callable[[An
         own = {id(leaf) for leaf in jax.tree.leaves(variables)}
         ins = {id(leaf) for leaf in jax.tree.leaves(a)}
         cell["kinds"] = kinds = tuple("param" if id(r) in own else "input" if id(r) in ins else "bundle" for r in res)
-        moved = [r for r, k in zip(res, kinds) if moves(k)]
+        # the bundle and the input are two buffers of the schedule, each its own transfer
+        moved = {kind: to_host([r for r, k in zip(res, kinds) if k == kind]) for kind in ("bundle", "input") if moves(kind)}
         kept = [r for r, k in zip(res, kinds) if not moves(k)]
-        return (out, updates), (to_host(moved), kept)
+        return (out, updates), (moved, kept)
 
     def bwd(saved: tuple, g: tuple[Any, Any]):
         moved, kept = saved
-        back, kept = iter(to_device(moved)), iter(kept)
-        pull = cell["tree"].unflatten([next(back) if moves(k) else next(kept) for k in cell["kinds"]])
+        back = {kind: iter(to_device(leaves)) for kind, leaves in moved.items()}
+        kept = iter(kept)
+        pull = cell["tree"].unflatten([next(back[k]) if moves(k) else next(kept) for k in cell["kinds"]])
         d_variables, d_a = pull(g[0])
         return d_variables, None, d_a
 
