@@ -51,11 +51,12 @@ def rows_for(name: str) -> list[str]:
     chain = Chain.from_linen(model)
     costs = profile(chain, model.init(jax.random.key(0), x), x, method="measure", quiet=True, loss=measured_loss)
     x0 = int(costs.x[0])
-    store_all = Schedule.from_ops(costs, candidates(costs)["store_all"], budget=None, algorithm="store_all")
+    fixed = candidates(costs)
+    store_all = Schedule.from_ops(costs, fixed["store_all"], budget=None, algorithm="store_all")
     out = []
     for policy in POLICIES:
         temp = strategy_memory(name, policy)
-        ops = candidates(costs).get(f"every stage under {policy}")
+        ops = fixed.get(f"every stage under {policy}")
         if temp is None or ops is None:
             continue
         hand = Schedule.from_ops(costs, ops, budget=None, algorithm="candidate")
