@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxremat as jr
-from conftest import Noisy, plain_forward
+from conftest import Noisy, TanhDense, plain_forward
 from jaxremat.model.chain import Chain
 from jaxremat.run.executor import execute
 from jaxremat.core.tree import Leaf, Region, Store, parse
@@ -191,12 +191,6 @@ def test_stored_convolutions_make_no_copies_of_donated_kernels():
         ops += [("Loss", L)] + [("B", i) for i in reversed(range(L))]
         sched = Schedule.from_ops(costs, ops, budget=None, algorithm="store_all")
         assert _kernel_copies(compile_schedule_step(chain, v, x, sched), n) == 0, option
-
-
-class TanhDense(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return jnp.tanh(nn.Dense(64, use_bias=False)(x))
 
 
 def test_a_region_handing_its_cotangent_over_reads_its_kernels_before_their_update():

@@ -301,9 +301,9 @@ def test_a_tap_keeps_no_cotangent_alive():
     the 30% plan below (``jaxremat.remat`` picked it for such a chain on one run in three; its
     last region holds a stored stage and a region over stages 1-3) used 1.12x its prediction
     (measured 2026-12-04), a schedule differing only in that last region 0.90x."""
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
+    from conftest import TanhDense
 
     import jaxremat as jr
     from jaxremat.core.ops import Op
@@ -311,11 +311,6 @@ def test_a_tap_keeps_no_cotangent_alive():
     from jaxremat.model.chain import Chain
     from jaxremat.profiling import Rates
     from jaxremat.run.executor import execute
-
-    class TanhDense(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return jnp.tanh(nn.Dense(64, use_bias=False)(x))
 
     chain = Chain.from_linen([TanhDense() for _ in range(16)])
     x = jax.random.normal(jax.random.key(1), (128, 64))

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 import jaxremat as jr
-from jaxremat.profiling import Rates
 from jaxremat.model.jaxpr_chain import find_cuts, trace
+from jaxremat.profiling import Rates
 
 
 class Block(nn.Module):
