@@ -298,8 +298,8 @@ def test_a_tap_keeps_no_cotangent_alive():
     """The tap (:func:`jaxremat.run._regions.tap`) orders a region's weight gradients after one
     element of a cotangent; that element is made as soon as the cotangent is, or the whole
     cotangent stays alive until the weight gradients. On a chain of 16 ``tanh(x @ w)`` stages,
-    the 30% plan below (``jaxremat.remat`` picked it for such a chain on one run in three; its
-    last region holds a stored stage and a region over stages 1-3) used 1.12x its prediction
+    the 30% plan below (``jaxremat.remat`` picked it for such a chain on CI's run and on one of
+    four here; its last region holds a stored stage and a region over stages 1-3) used 1.12x its prediction
     (measured 2026-12-04), a schedule differing only in that last region 0.90x."""
     import jax
     import jax.numpy as jnp
