@@ -31,8 +31,9 @@ settings.load_profile("ci")
 @st.composite
 def chains(draw, min_len: int = 1, max_len: int = 9, v2: bool = False) -> jr.ChainCosts:
     """Random heterogeneous chains: varied x, xbar up to 20x x, zero temps, tiny sizes. With
-    ``v2``, also measured-looking ``FB`` costs (cheaper than ``Fall; B``, or not) and up to two
-    store options per stage (keeping less, backward slower)."""
+    ``v2``, also measured-looking ``FB`` costs (cheaper than ``Fall; B``, or not), up to two
+    store options per stage (keeping less, backward slower), and on some chains output bytes the
+    backwards do not read (``unread``)."""
     L = draw(st.integers(min_len, max_len))
     scale = draw(st.sampled_from([1, 10, 1000, 10**6]))
     size = st.integers(0, 20).map(lambda v: v * scale)
@@ -54,14 +55,19 @@ def chains(draw, min_len: int = 1, max_len: int = 9, v2: bool = False) -> jr.Cha
     share = st.floats(0.0, 1.5, allow_nan=False)
     fb = [round((fwd[i] + bwd[i]) * draw(share), 3) for i in range(L)]
     fb_tmp = [int(draw(share) * xbar[i]) + draw(tmp) for i in range(L)]
+    # output bytes a backward does not read (B's need below its bundle's), on some chains
+    unread = draw(st.booleans())
+    part = lambda most: draw(st.integers(0, most)) if unread else 0  # noqa: E731
     options = []
     for i in range(L):
         n = draw(st.integers(0, 2))
+        kept = [int(draw(share) * xbar[i]) for _ in range(n)]
         options.append([
-            jr.StageOption(f"policy{k}", int(draw(share) * xbar[i]), round(bwd[i] + draw(t), 3), draw(tmp))
+            jr.StageOption(f"policy{k}", kept[k], round(bwd[i] + draw(t), 3), draw(tmp), unread=part(min(kept[k], x[i + 1])))
             for k in range(n)
         ])
-    return jr.ChainCosts(x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=ftmp, bwd_tmp=btmp, fb=fb, fb_tmp=fb_tmp, options=options)
+    return jr.ChainCosts(x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=ftmp, bwd_tmp=btmp, fb=fb, fb_tmp=fb_tmp, options=options,
+                         unread=[part(min(xbar[i], x[i + 1])) for i in range(L)])
 
 
 def random_chain(rng: np.random.Generator, L: int) -> jr.ChainCosts:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -125,7 +126,8 @@ def test_dp_is_optimal_among_persistent_schedules_with_shared_values():
 
 def test_persistent_search_matches_the_dp_without_shared_values():
     """The persistent search is the DP's class: on chains without shared values (the jitted
-    table), with bytes held until a stage's backward on half of them, they agree."""
+    table), with bytes held until a stage's backward on half of them and output bytes the
+    backwards do not read on a third, they agree."""
     rng = np.random.default_rng(7)
     for trial in range(30):
         L = int(rng.integers(1, 5))
@@ -135,6 +137,8 @@ def test_persistent_search_matches_the_dp_without_shared_values():
             fwd_tmp=rng.integers(0, 3, L) * 8, bwd_tmp=rng.integers(0, 3, L) * 8,
             held=rng.integers(0, 6, L) * 8 * (trial % 2),
         )
+        if trial % 3 == 0:  # output bytes the backwards do not read
+            costs = dataclasses.replace(costs, unread=np.minimum(costs.x[1:], costs.xbar) * rng.integers(0, 2, L))
         lo, hi = jr.min_budget(costs, slots=4000), jr.store_all_peak(costs)
         for budget in sorted({lo, (lo + hi) // 2, hi}):
             opt = jr.solve(costs, budget, slots=max(budget - int(costs.x[0]), 1))

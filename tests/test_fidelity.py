@@ -151,17 +151,16 @@ def test_a_backward_writes_over_its_incoming_cotangent(monkeypatch):
     writes its relu derivative over the incoming cotangent (``fb_tmp`` takes credit for it), so
     the executor's barriers order the backward after the cotangent without handing it the
     barrier's copy: in a region (the least-budget plan, one ``FB`` after another) and after a
-    stored convolution's tie (blocks stored under ``dots_saveable`` before a recomputed one).
-    Through the barriers the first used one activation (1 MiB) more than planned, the second
-    0.23 MiB more than now. Between two regions (every block a region of its own) the input's
+    stored convolution's tie (blocks stored whole before a recomputed one).
+    Through the barriers the first used one activation (1 MiB) more than planned. (The tie's
+    handover showed with blocks stored under ``dots_saveable``, 0.23 MiB; stages under a policy
+    are no longer tied, and stored whole here they show no difference.) Between two regions (every block a region of its own) the input's
     cotangent leaves the later one as it was made, ordered by a token instead of the barrier
     (``ChainCosts.fb_reuse``), and so does a region inside a region that starts it (revolve's
     schedule); through the barrier, again one activation more."""
     import jax
-    from jax import lax
 
     import jaxremat as jr
-    import jaxremat.run._grad_tie as tie
     import jaxremat.run._walk as walk
     from jaxremat.api.calibrate import step_temp
     from jaxremat.core.ops import Op
@@ -177,10 +176,9 @@ def test_a_backward_writes_over_its_incoming_cotangent(monkeypatch):
     L, x0 = costs.length, int(costs.x[0])
     least = jr.solve(costs, jr.min_budget(costs))
     assert [op.kind for op in least.ops].count("FB") == L
-    stored = [Op("Fall", 0, 2), Op("Fall", 1, 2), Op("Fck", 2)] + [Op("Fall", i, 1) for i in range(3, L - 1)]
+    stored = [Op("Fall", 0, 2), Op("Fall", 1, 2), Op("Fck", 2)] + [Op("Fall", i) for i in range(3, L - 1)]
     back = [Op("B", i) for i in range(L - 1, 2, -1)] + [Op("FB", 2), Op("B", 1), Op("B", 0)]
     mixed = Schedule.from_ops(costs, stored + [Op("Fall", L - 1), Op("Loss", L)] + back, budget=None, algorithm="x")
-    assert [costs.option(i, 1).name for i in range(3, L - 1)] == ["dots_saveable"] * (L - 4)
     every = jr.solve(costs, None, algorithm="every_stage")
     # revolve's: regions inside regions, the first inner one handing the cotangent over too
     nested = Schedule.from_ops(costs, [Op(*op) for op in (
@@ -203,14 +201,6 @@ def test_a_backward_writes_over_its_incoming_cotangent(monkeypatch):
     monkeypatch.setattr(walk, "tied_checkpoint", lambda body, **kw: region(body, **{**kw, "direct_cotangent": False}))
     assert step_temp(chain, v, x, least) >= least.peak - x0 + 0.9 * 2**20
     monkeypatch.undo()
-
-    @jax.custom_vjp
-    def through_barrier(params, a):
-        return params, a
-
-    through_barrier.defvjp(lambda p, a: ((p, a), None), lambda _, g: lax.optimization_barrier(g))
-    monkeypatch.setattr(tie, "_tie", through_barrier)
-    assert step_temp(chain, v, x, mixed) >= temp["mixed"] + 0.2 * 2**20
 
 
 def test_stored_blocks_make_their_kernel_copies_in_their_backward(monkeypatch):

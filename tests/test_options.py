@@ -3,6 +3,8 @@ in the simulator, the solvers and the executor."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -66,6 +68,32 @@ def test_options_are_validated_and_travel_in_dicts_and_tables():
         chain3(options=[[("a", 1, 1.0, 1), ("a", 2, 1.0, 1)], [], []])
     with pytest.raises(ValueError, match="fb has 2 entries"):
         chain3(fb=[1.0, 2.0])
+
+
+
+def test_output_bytes_a_backward_does_not_read_are_gone_when_it_runs():
+    """``B i`` counts its bundle less ``unread``: the output bytes its backward does not read,
+    freed once the next stage's backward (or the loss) has read them; checked and saved."""
+    c = jr.ChainCosts(x=[8, 8, 8], xbar=[16, 16], fwd=[1, 1], bwd=[1, 1], fwd_tmp=[0, 0], bwd_tmp=[0, 0])
+    ops = [("Fall", 0), ("Fall", 1), ("Loss", 2), ("B", 1), ("B", 0)]
+    # peak at B 1: a_0 + both bundles + delta_2 + delta_1 = 56; without stage 1's output: 48
+    credited = dataclasses.replace(c, unread=[0, 8])
+    assert jr.simulate(c, ops).peak == 56 and jr.simulate(credited, ops).peak == 48
+    assert jr.solve(credited, 48).peak == 48 and jr.store_all_peak(credited) == 48
+    # a bundle made again after the loss has read a_2 was never read: it keeps its output
+    again = [("Fall", 0), ("Fn", 1), ("Loss", 2), ("Fall", 1), ("B", 1), ("B", 0)]
+    assert jr.simulate(credited, again).peak == jr.simulate(c, again).peak == 56
+    with_option = dataclasses.replace(c, options=[(), [jr.StageOption("dots", 12, 1.0, 0, unread=8)]])
+    assert jr.simulate(with_option, [("Fall", 0), ("Fall", 1, 1), ("Loss", 2), ("B", 1), ("B", 0)]).peak == 44
+    for costs in (credited, with_option):
+        assert jr.ChainCosts.from_dict(costs.to_dict()) == costs
+    assert "unread" in credited.table() and "/ 8 B" in with_option.table()
+    with pytest.raises(ValueError, match=r"unread\[1\] = 9 is more than stage 1's output"):
+        dataclasses.replace(c, unread=[0, 9])
+    with pytest.raises(ValueError, match=r"unread = 13 is more than its xbar"):
+        jr.StageOption.of({"name": "dots", "xbar": 12, "bwd": 1.0, "bwd_tmp": 0, "unread": 13}, "the option")
+    with pytest.raises(ValueError, match=r"options\[1\]\[0\] \(dots\): unread = 10 is more than stage 1's output"):
+        dataclasses.replace(c, options=[(), [jr.StageOption("dots", 12, 1.0, 0, unread=10)]])
 
 
 # -- the solvers -------------------------------------------------------------------------------------

@@ -295,3 +295,32 @@ def test_flops_xla_cannot_count_read_as_unknown():
             return {"flops": -1.0, "bytes accessed": 2048.0}
 
     assert _cost(Compiled()) == (0.0, 2048.0)
+
+
+class ReluDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.relu(nn.Dense(64, use_bias=False)(x))
+
+
+def test_unread_is_the_output_bytes_a_backward_does_not_read():
+    """A ReLU's backward reads the pre-activation (or a mask of it), never the output: XLA frees
+    the output once the next stage's backward has read it. A tanh's backward reads its output.
+    An option that keeps nothing but the output (``nothing_saveable``) gets no credit: its
+    backward recomputes the whole stage."""
+    from tests.conftest import TanhDense
+
+    chain = Chain.from_linen([ReluDense(), TanhDense(), ReluDense()])
+    x = jnp.ones((128, 64))
+    v = chain.init(jax.random.key(0), x)
+    policies = {"dots": jax.checkpoint_policies.dots_saveable, "nothing": jax.checkpoint_policies.nothing_saveable}
+    costs, stages = profile_stages(chain, v, x, method="xla", rates=RATES, policies=policies)
+    act = 128 * 64 * 4
+    assert list(costs.unread) == [act, 0, act]
+    for p in stages:
+        by_name = {o.name: o for o in p.options}
+        assert by_name["nothing"].unread == 0
+        # under dots_saveable the backward recomputes tanh from the kept x @ w: its output unread
+        assert by_name["dots"].unread == act
+    # B's need below its bundle's, as the solvers read it
+    assert costs.option(2, 0).bwd_need == costs.bwd_tmp[2] - act

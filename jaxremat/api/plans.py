@@ -26,8 +26,8 @@ from jaxremat.run.executor import execute
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical, solve
 
 FORMAT = "jaxremat-plan"
-VERSION = 6  # 2: signatures from jaxremat.model.identity; 3: store options and FB; 4: offloading (bandwidth); 5: shared values, held bytes; 6: fb_reuse
-READS = (2, 3, 4, 5, 6)  # each version's plans are the next's without its additions
+VERSION = 7  # 7: unread output bytes; 2: signatures from jaxremat.model.identity; 3: store options and FB; 4: offloading (bandwidth); 5: shared values, held bytes; 6: fb_reuse
+READS = (2, 3, 4, 5, 6, 7)  # each version's plans are the next's without its additions
 
 
 def signature(chain: Chain, variables: Any, sample: Any) -> str:

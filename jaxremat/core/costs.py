@@ -81,6 +81,10 @@ class ChainCosts:
         that cotangent as the instruction that made it: where this is not zero, the executor
         hands a region's input cotangent to the region before it directly (not through a
         barrier). It changes no prediction.
+      unread: optional ``L`` bytes of the output ``a_{i+1}`` (in ``xbar``) that stage ``i``'s
+        store-all backward does not read (a ReLU's or a plain convolution's output): XLA frees
+        them once stage ``i+1``'s backward (or the loss) has read them, so ``B i`` runs without
+        them (options carry their own, :attr:`StageOption.unread`).
 
     Arrays are stored as read-only numpy arrays (sizes as ``int64``, times as ``float64``).
     """
@@ -104,6 +108,7 @@ class ChainCosts:
     shared: tuple[Shared, ...] = ()
     held: np.ndarray | None = None
     fb_reuse: np.ndarray | None = None
+    unread: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in FIELDS:
@@ -144,12 +149,22 @@ class ChainCosts:
             object.__setattr__(self, name, arr)
         object.__setattr__(self, "options", check_options(self.options, n))
         object.__setattr__(self, "shared", check_shared(self.shared, self.x))
-        for name in ("held", "fb_reuse"):  # optional per-stage bytes, zeros by default
+        for name in ("held", "fb_reuse", "unread"):  # optional per-stage bytes, zeros by default
             value = getattr(self, name)
             arr = np.zeros(n, np.int64) if value is None else _as_array(name, value, integral=True)
             if len(arr) != n:
                 raise ValueError(f"ChainCosts.{name} has {len(arr)} entries; expected L = {n} (one per stage)")
             object.__setattr__(self, name, arr)
+        for i in np.flatnonzero(self.unread > np.minimum(self.xbar, self.x[1:])):
+            raise ValueError(
+                f"ChainCosts.unread[{i}] = {self.unread[i]} is more than stage {i}'s output or bundle "
+                f"(x[{i + 1}] = {self.x[i + 1]}, xbar[{i}] = {self.xbar[i]}): it counts output bytes the backward does not read"
+            )
+        for i, per in enumerate(self.options or ()):
+            for k, o in enumerate(per):
+                if o.unread > self.x[i + 1]:
+                    raise ValueError(f"ChainCosts.options[{i}][{k}] ({o.name}): unread = {o.unread} is more than stage "
+                                     f"{i}'s output (x[{i + 1}] = {self.x[i + 1]})")
         for v in self.shared:  # a bundle holds its output's new shared values
             made = v.first - 1
             for k in range(self.option_count(made)):
@@ -171,7 +186,7 @@ class ChainCosts:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ChainCosts):
             return NotImplemented
-        return self.names == other.names and self.options == other.options and self.shared == other.shared and np.array_equal(self.held, other.held) and np.array_equal(self.fb_reuse, other.fb_reuse) and all(
+        return self.names == other.names and self.options == other.options and self.shared == other.shared and np.array_equal(self.held, other.held) and np.array_equal(self.fb_reuse, other.fb_reuse) and np.array_equal(self.unread, other.unread) and all(
             np.array_equal(getattr(self, f), getattr(other, f)) for f in FIELDS + V2_FIELDS
         )
 
@@ -234,28 +249,29 @@ class ChainCosts:
         if not 0 <= k < self.option_count(i):
             raise ValueError(f"stage {i} has {self.option_count(i)} store option(s); there is no option {k}")
         if k == 0:
-            return StageOption(STORE_ALL, int(self.xbar[i]), float(self.bwd[i]), int(self.bwd_tmp[i]))
+            return StageOption(STORE_ALL, int(self.xbar[i]), float(self.bwd[i]), int(self.bwd_tmp[i]),
+                               unread=int(self.unread[i]))
         return self.options[i][k - 1]
 
     @functools.cached_property
     def option_table(self) -> tuple[tuple[tuple[int, float, int], ...], ...]:
-        """Per stage, per option: ``(xbar, bwd, bwd_tmp)`` (for the simulator's inner loop)."""
+        """Per stage, per option: ``(xbar, bwd, bwd_tmp, unread)`` (for the simulator's inner loop)."""
         return tuple(
-            tuple((o.xbar, o.bwd, o.bwd_tmp) for o in (self.option(i, k) for k in range(self.option_count(i))))
+            tuple((o.xbar, o.bwd, o.bwd_tmp, o.unread) for o in (self.option(i, k) for k in range(self.option_count(i))))
             for i in range(self.length)
         )
 
-    def option_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(K, L)`` arrays of every option's ``xbar``, ``bwd``, ``bwd_tmp`` (``K`` =
+    def option_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(K, L)`` arrays of every option's ``xbar``, ``bwd``, ``bwd_tmp``, ``unread`` (``K`` =
         :attr:`max_options`), and a mask of the options that exist (missing ones hold zeros)."""
         K, L = self.max_options, self.length
         xbar, bwd, bwd_tmp = np.zeros((K, L), np.int64), np.zeros((K, L)), np.zeros((K, L), np.int64)
-        exists = np.zeros((K, L), bool)
+        unread, exists = np.zeros((K, L), np.int64), np.zeros((K, L), bool)
         for i in range(L):
             for k in range(self.option_count(i)):
                 o = self.option(i, k)
-                xbar[k, i], bwd[k, i], bwd_tmp[k, i], exists[k, i] = o.xbar, o.bwd, o.bwd_tmp, True
-        return xbar, bwd, bwd_tmp, exists
+                xbar[k, i], bwd[k, i], bwd_tmp[k, i], unread[k, i], exists[k, i] = o.xbar, o.bwd, o.bwd_tmp, o.unread, True
+        return xbar, bwd, bwd_tmp, unread, exists
 
     def __repr__(self) -> str:
         return (
@@ -281,6 +297,8 @@ class ChainCosts:
             d["held"] = self.held.tolist()
         if self.fb_reuse.any():
             d["fb_reuse"] = self.fb_reuse.tolist()
+        if self.unread.any():
+            d["unread"] = self.unread.tolist()
         return d
 
     @classmethod
@@ -291,7 +309,7 @@ class ChainCosts:
         return cls(
             **{f: d[f] for f in FIELDS}, names=d.get("names"), **{f: d.get(f) for f in OPTIONAL_FIELDS + V2_FIELDS},
             options=d.get("options"), devices=int(d.get("devices", 1)), shared=d.get("shared", ()), held=d.get("held"),
-            fb_reuse=d.get("fb_reuse"),
+            fb_reuse=d.get("fb_reuse"), unread=d.get("unread"),
         )
 
     @classmethod
@@ -318,16 +336,19 @@ class ChainCosts:
 
     def table(self, time_unit: str = "ms") -> str:
         """Per stage: name, output size, store-all size, temporaries, times (seconds shown in
-        ``time_unit``: "s", "ms" or "us"), ``FB``'s time and bytes, the store options and, when
-        known, forward and backward GFLOP."""
+        ``time_unit``: "s", "ms" or "us"), ``FB``'s time and bytes, the store options, when known
+        forward and backward GFLOP, and where any the output bytes a backward does not read."""
         scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
         head = ["stage", "x (out)", "xbar", "fwd_tmp", "bwd_tmp", f"fwd {time_unit}", f"bwd {time_unit}",
                 f"FB {time_unit}", "FB tmp"]
         flops = self.fwd_flops is not None and self.bwd_flops is not None
         if flops:
             head += ["fwd GFLOP", "bwd GFLOP"]
+        unread = self.unread.any() or any(o.unread for per in self.options or () for o in per)
+        if unread:
+            head.append("unread")
         if self.options is not None:
-            head.append(f"options: xbar / bwd {time_unit} / bwd_tmp")
+            head.append(f"options: xbar / bwd {time_unit} / bwd_tmp" + (" (/ unread)" if unread else ""))
         rows = [head]
         for i in range(self.length):
             row = [
@@ -338,9 +359,12 @@ class ChainCosts:
             ]
             if flops:
                 row += [f"{self.fwd_flops[i] / 1e9:.4g}", f"{self.bwd_flops[i] / 1e9:.4g}"]
+            if unread:
+                row.append(format_bytes(self.unread[i]))
             if self.options is not None:
                 row.append("; ".join(
                     f"{o.name} {format_bytes(o.xbar)} / {scale * o.bwd:.4g} / {format_bytes(o.bwd_tmp)}"
+                    + (f" / {format_bytes(o.unread)}" if o.unread else "")
                     for o in self.options[i]
                 ))
             rows.append(row)

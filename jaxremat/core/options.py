@@ -40,6 +40,8 @@ class StageOption:
       xbar: bytes the bundle keeps: the residuals the policy saves, plus the stage output.
       bwd: the backward's time, the recomputation of what the policy does not keep included.
       bwd_tmp: the backward's transient bytes, the recomputed residuals included.
+      unread: bytes of the stage output (in ``xbar``) that the backward does not read: XLA frees
+        them once the next stage's backward (or the loss) has read them, before this backward runs.
     """
 
     name: str
@@ -47,18 +49,20 @@ class StageOption:
     bwd: float
     bwd_tmp: int
     bwd_flops: float | None = None  # from XLA's cost analysis, when profiled
+    unread: int = 0
 
     @classmethod
     def of(cls, value: Any, where: str) -> "StageOption":
         """A :class:`StageOption` from itself, a dict or a ``(name, xbar, bwd, bwd_tmp)`` tuple,
         checked; ``ValueError`` naming ``where`` when it is not one."""
         try:
-            flops = None
+            flops, unread = None, 0
             if isinstance(value, StageOption):
                 name, xbar, bwd, bwd_tmp, flops = value.name, value.xbar, value.bwd, value.bwd_tmp, value.bwd_flops
+                unread = value.unread
             elif isinstance(value, dict):
                 name, xbar, bwd, bwd_tmp = (value[k] for k in ("name", "xbar", "bwd", "bwd_tmp"))
-                flops = value.get("bwd_flops")
+                flops, unread = value.get("bwd_flops"), value.get("unread", 0)
             else:
                 name, xbar, bwd, bwd_tmp = value
         except (TypeError, ValueError, KeyError):
@@ -68,7 +72,7 @@ class StageOption:
         if not isinstance(name, str) or not name or name == STORE_ALL:
             raise ValueError(f"{where}.name must be a policy name (a non-empty string other than {STORE_ALL!r}), got {name!r}")
         checked = []
-        for field, v in (("xbar", xbar), ("bwd", bwd), ("bwd_tmp", bwd_tmp)):
+        for field, v in (("xbar", xbar), ("bwd", bwd), ("bwd_tmp", bwd_tmp), ("unread", unread)):
             try:
                 f = float(v)
             except (TypeError, ValueError):
@@ -77,7 +81,17 @@ class StageOption:
                 what = "a finite number >= 0" if field == "bwd" else "a whole number of bytes >= 0"
                 raise ValueError(f"{where}.{field} = {v!r}; it must be {what}")
             checked.append(f if field == "bwd" else int(f))
-        return cls(name, *checked, None if flops is None else float(flops))
+        if checked[3] > checked[0]:
+            raise ValueError(f"{where}.unread = {checked[3]} is more than its xbar ({checked[0]}): the output bytes "
+                             "the backward does not read are part of the bundle")
+        return cls(name, *checked[:3], None if flops is None else float(flops), checked[3])
+
+    @property
+    def bwd_need(self) -> int:
+        """What ``B`` adds to the live bytes at its peak when the bundle's output was read by the
+        next stage's backward (or the loss) before it: ``bwd_tmp`` less the output bytes it does
+        not read (freed by then; may be negative)."""
+        return self.bwd_tmp - self.unread
 
 
 #: The name of option 0 of every stage: every residual kept.

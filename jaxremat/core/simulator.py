@@ -60,7 +60,7 @@ class Machine:
 
     __slots__ = (
         "costs", "L", "a", "abar", "delta", "next_b", "loss_done", "cur", "time",
-        "bandwidth", "offloading", "on_host", "prefetching", "links", "host_spans", "stall", "refs", "P",
+        "bandwidth", "offloading", "on_host", "prefetching", "links", "host_spans", "stall", "refs", "P", "read",
     )
 
     def __init__(self, costs: ChainCosts, bandwidth: Bandwidth | None = None):
@@ -82,6 +82,7 @@ class Machine:
         self.stall = 0.0
         self.refs: dict[int, int] = {}  # shared value -> how many live buffers hold it
         self.P = tuple(int(v) for v in costs.held_before)  # held until each backward, by stage
+        self.read: set[int] = set()  # bundles whose output the next backward (or the loss) has read
 
     def copy(self) -> "Machine":
         m = Machine.__new__(Machine)
@@ -92,12 +93,13 @@ class Machine:
         m.bandwidth, m.offloading, m.on_host = self.bandwidth, dict(self.offloading), set(self.on_host)
         m.prefetching, m.links = dict(self.prefetching), dict(self.links)
         m.host_spans, m.stall = list(self.host_spans), self.stall
-        m.refs, m.P = dict(self.refs), self.P
+        m.refs, m.P, m.read = dict(self.refs), self.P, set(self.read)
         return m
 
     def key(self) -> tuple:
         """A hashable summary of the state (for searches; without transfers' timing)."""
-        return (frozenset(self.a), frozenset(self.abar.items()), self.delta, self.next_b, self.loss_done)
+        return (frozenset(self.a), frozenset(self.abar.items()), self.delta, self.next_b, self.loss_done,
+                frozenset(self.read))
 
     def a_live(self, i: int) -> bool:
         return i == 0 or i in self.a or (i - 1) in self.abar
@@ -279,6 +281,8 @@ class Machine:
             if not self.a_live(L):
                 raise fail(f"a_{L} is not live (run the forward of stage {L - 1} first)")
             peak = self.cur + int(c.x[L]) + self.P[L]
+            if L - 1 in self.abar:
+                self.read.add(L - 1)
             self.loss_done = True
             self.delta = L
             self.cur += int(c.x[L])
@@ -302,8 +306,12 @@ class Machine:
         if kind is OpKind.B:
             if i not in self.abar:
                 raise fail(f"abar_{i} is not live (stage {i} must run 'Fall' before its backward)")
-            xbar, bwd, bwd_tmp = c.option_table[i][self.abar.pop(i)]
-            peak = self.cur + int(c.x[i]) + bwd_tmp + self.P[i]
+            # the bundle's output bytes B does not read are gone if the next backward (or the loss)
+            # has read them; a bundle made after that backward keeps them (docs/cost_model.md)
+            xbar, bwd, bwd_tmp, unread = c.option_table[i][self.abar.pop(i)]
+            credit = unread if i in self.read else 0
+            self.read.discard(i)
+            peak = self.cur + int(c.x[i]) + bwd_tmp - credit + self.P[i]
             self.cur -= self._release(("abar", i), xbar)
             self.freed(("abar", i))
             self.time += bwd
@@ -314,6 +322,8 @@ class Machine:
                 raise fail(f"a standalone a_{i + 1} is live: 'FB' never makes the stage's output")
             peak = self.cur + int(c.x[i]) + int(c.fb_tmp[i]) + self.P[i]
             self.time += float(c.fb[i])
+        if i - 1 in self.abar:
+            self.read.add(i - 1)
         self.cur += int(c.x[i]) - int(c.x[i + 1])
         self.delta = i
         if i in self.a:

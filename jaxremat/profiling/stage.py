@@ -44,6 +44,7 @@ class StageProfile:
     flags: tuple[str, ...] = ()  # measurements to doubt (a backward far below its flops' share)
     held: int = 0  # bytes its backward makes from constants alone: a training step makes them at its start
     fb_reuse: int = 0  # what fb_tmp saves by writing an output over the incoming cotangent
+    unread: int = 0  # bytes of the output (in xbar) its backward does not read
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageProfile":
@@ -64,6 +65,7 @@ class OptionProfile:
     bwd_flops: float
     bwd_bytes: float
     bwd_time: float
+    unread: int = 0  # bytes of the output (in xbar) its backward does not read
 
 
 def _split_params(v: dict) -> tuple[Any, dict]:
@@ -109,7 +111,7 @@ def _cost(compiled: Any) -> tuple[float, float]:
     return max(0.0, float(ca.get("flops", 0.0))), max(0.0, float(ca.get("bytes accessed", 0.0)))
 
 
-def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = False) -> int:
+def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = False, with_output: bool = True) -> int:
     """``xbar``: the bytes XLA keeps from the stage's forward for its backward, plus its output.
 
     Compiled as forward, an optimisation barrier on (output, cotangent), backward, and read from
@@ -122,12 +124,17 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = Fals
     Where the barrier does not survive into the buffer assignment (XLA:GPU), the residuals
     ``jax.vjp`` hands the backward, as :func:`scan_residual_bytes` counts them: JAX's choice
     before XLA's fusion, which may keep less.
+
+    ``with_output=False``: the output only summed before the barrier, what the backward reads.
     """
     if not barriers_survive():
         return scan_residual_bytes(g, params, a_shape, rest, rng)
 
     def kept(params, a, rest, rng, cot):
         out, vjp = jax.vjp(lambda p, x: g(p, x, rest, rng), params, a)
+        if not with_output:
+            done, cot = lax.optimization_barrier((_sum_leaves(out), cot))
+            return done, vjp(cot)
         done, cot, out = lax.optimization_barrier((_sum_leaves(out), cot, out))
         return done, vjp(cot), out
 
@@ -172,10 +179,19 @@ def scan_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: 
 def _backward(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_shape: Any, input_grad: bool, scanned: bool):
     """For ``g`` (the stage, or the stage under a checkpoint policy): the bytes kept for its
     backward (output included), the compiled backward (from the residuals and the cotangent), its
-    transient bytes, and the pullback."""
-    xbar = kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input=not input_grad)
+    transient bytes, the pullback, and the output bytes the backward does not read."""
+    xbar, unread = kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input=not input_grad), 0
     if scanned:
+        # a loop keeps its carry (the output) for the backward loop whatever that reads
         xbar = max(xbar, scan_residual_bytes(g, params, a_shape, rest, rng))
+    elif barriers_survive():
+        # what the backward does not read of the output XLA frees once the next backward has read
+        # it; only where it reads anything kept beyond the probe's 4-byte sum: one keeping nothing
+        # but the output recomputes the stage whole, which in the step held more than measured
+        # alone (docs/cost_model.md, "Output bytes a backward does not read")
+        read = kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input=not input_grad, with_output=False)
+        out_bytes = tree_bytes(jax.eval_shape(g, params, a_shape, rest, rng))
+        unread = int(min(max(xbar - read, 0), out_bytes, xbar)) if read > 16 else 0
 
     def pullback(p, x, r, k):
         if input_grad:
@@ -193,7 +209,7 @@ def _backward(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_s
     bwd_c, bwd_tmp = transient_bytes(
         lambda f, c: f(c), vjp_shape, cot_shape, reuse=range(n_res, n_res + len(jax.tree.leaves(cot_shape)))
     )
-    return int(xbar), bwd_c, int(bwd_tmp), pullback
+    return int(xbar), bwd_c, int(bwd_tmp), pullback, unread
 
 
 def _with_loss(g: Callable, loss: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, input_grad: bool,
@@ -299,7 +315,7 @@ def profile_stage(
     if is_sharded((params, a_shape)):  # on a mesh: the output (and its cotangent) as XLA lays it out
         out_shape = with_shardings(out_shape, fwd_c.output_shardings)
     cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_of(s)), out_shape)
-    xbar, bwd_c, bwd_tmp, pullback = _backward(g, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
+    xbar, bwd_c, bwd_tmp, pullback, unread = _backward(g, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
     fwd_tmp = int(fwd_c.memory_analysis().temp_size_in_bytes)
     # FB's bytes with the credit for an output written over a dying input only where that input
     # is the incoming cotangent: a training step writes gelu'(h) * g over g (an MLP's every-stage
@@ -342,40 +358,36 @@ def profile_stage(
         programs = {"forward": (fwd_c, (p, a, r, rng)), "backward": _from_residuals(pullback, p, a, r, rng, cot),
                     "FB": (fb_c, (p, a, r, rng, cot))}
         flops = {"forward": ff, "backward": bf, "FB": fbf}
-        for name, (_, _, _, pb) in opts.items():
+        for name, (_, _, _, pb, _) in opts.items():
             programs[f"backward under {name}"] = _from_residuals(pb, p, a, r, rng, cot)
             flops[f"backward under {name}"] = costs[name][0]
         t, flags = check_against_flops(programs, repeats, flops, {n: "forward" for n in programs if n.startswith("backward")})
         ft, bt, fbt = t["forward"], t["backward"], t["FB"]
         fbt = fused_time(fbt, ft, bt, fbf, ff, bf)  # the roofline's FB is its own flops' and bytes' already
         opt_t = {name: option_time(t[f"backward under {name}"], bt, fbt) for name in opts}
-    # The parameter gradient. In the step users run (an optimizer update inside, the parameters
-    # and optimizer state donated) a stage's gradient is a temporary: its backward writes it and
-    # the update reads it after, so every backward of the stage holds it. The programs above
-    # return it as an output, which their transient bytes leave out -- and XLA parks some of
-    # their temporaries in that output's buffer before writing it, which the step cannot do
-    # either. An MLP layer's FB with an update inside held exactly its gradient more (1 MiB), a
-    # transformer block's 0.58 of it; the whole every-stage step of 4 transformer blocks 0.84
-    # of one block's gradient more than the gradient-returning step.
+    # The parameter gradient: in the update step (parameters and optimizer state donated) every
+    # backward of the stage holds it, a temporary the update reads; the programs above return it
+    # (their transients leave it out, and XLA parks temporaries in it). An MLP layer's FB with an
+    # update inside held exactly its gradient more (1 MiB), a transformer block's 0.58 of it.
     grad = tree_bytes(params)
     fb_tmp, bwd_tmp = int(fb_tmp) + grad, int(bwd_tmp) + grad
-    opts = {name: (o[0], o[1], o[2] + grad, o[3]) for name, o in opts.items()}
+    opts = {name: (o[0], o[1], o[2] + grad, o[3], o[4]) for name, o in opts.items()}
     if loss is not None:
         fused = _with_loss(g, loss, params, a_shape, rest, rng, input_grad, tree_bytes(out_shape))
         bwd_tmp = max(bwd_tmp, fused(g) - xbar)
         # not fb_tmp: the head recomputed for its backward, fused with the loss, held 0.25 MiB more
         # than FB measured alone on the GPT, but an MLP layer's held one activation (4 MiB) more
         # compiled alone than in the whole step (its 30% plan: XLA at 0.89 of the prediction)
-        opts = {name: (o[0], o[1], max(o[2], fused(jax.checkpoint(g, policy=policies[name])) - o[0]), o[3])
+        opts = {name: (o[0], o[1], max(o[2], fused(jax.checkpoint(g, policy=policies[name])) - o[0]), o[3], o[4])
                 for name, o in opts.items()}
     shape_txt = str(jax.tree.map(lambda s: tuple(s.shape), out_shape))
     return StageProfile(
         name=st.name, kind=st.kind, out_shape=shape_txt, x_out=tree_bytes(out_shape), xbar=xbar,
         fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp,
         fwd_flops=ff, bwd_flops=bf, fwd_bytes=fbytes, bwd_bytes=bb, fwd_time=ft, bwd_time=bt,
-        fb_time=fbt, fb_tmp=int(fb_tmp), fb_flops=fbf, held=int(held), fb_reuse=int(fb_reuse),
+        fb_time=fbt, fb_tmp=int(fb_tmp), fb_flops=fbf, held=int(held), fb_reuse=int(fb_reuse), unread=unread,
         options=tuple(
-            OptionProfile(name, o[0], o[2], costs[name][0], costs[name][1], opt_t[name]) for name, o in opts.items()
+            OptionProfile(name, o[0], o[2], costs[name][0], costs[name][1], opt_t[name], o[4]) for name, o in opts.items()
         ),
         flags=tuple(flags),
     )

@@ -39,7 +39,7 @@ _tie.defvjp(_tie_fwd, _tie_bwd)
 
 
 def tied_gradients(apply: Apply) -> Apply:
-    """``apply`` (a stage stored under plain autodiff, whole or under a policy) whose backward
+    """``apply`` (a stage stored whole under plain autodiff) whose backward
     reads its kernels only after its output's cotangent arrives, when the stage's only variables
     are its parameters (:func:`~jaxremat.model.kernel_reads.reads_after_cotangent`), and, when
     the stage runs a convolution, whose parameter cotangent and input cotangent pass one

@@ -36,6 +36,7 @@ class SlotChain:
     xbar: np.ndarray  # (K, L+1)
     fwd_tmp: np.ndarray
     bwd_tmp: np.ndarray  # (K, L+1)
+    bwd_need: np.ndarray  # (K, L+1): bwd_tmp less the output bytes B does not read (the store-all branch)
     fwd: np.ndarray  # float64, L+1
     bwd: np.ndarray  # float64, (K, L+1); inf where a stage lacks the option
     fb: np.ndarray  # float64, L+1: time of FB s
@@ -75,7 +76,7 @@ def extend(costs: ChainCosts) -> SlotChain:
     """The chain in bytes, extended by the loss stage (which has option 0 only, all zeros)."""
     z = np.zeros(1, dtype=np.int64)
     zf = np.zeros(1)
-    xbar, bwd, bwd_tmp, exists = costs.option_arrays()
+    xbar, bwd, bwd_tmp, unread, exists = costs.option_arrays()
     K = xbar.shape[0]
     loss = np.zeros((K, 1), bool)
     loss[0] = True
@@ -88,6 +89,7 @@ def extend(costs: ChainCosts) -> SlotChain:
         xbar=np.where(exists, pad(xbar, np.int64), ABSENT),
         fwd_tmp=np.concatenate([costs.fwd_tmp, z]),
         bwd_tmp=np.where(exists, pad(bwd_tmp, np.int64), ABSENT),
+        bwd_need=np.where(exists, pad(bwd_tmp - unread, np.int64), ABSENT),
         fwd=np.concatenate([costs.fwd, zf]),
         bwd=np.where(exists, pad(bwd, np.float64), np.inf),
         fb=np.concatenate([costs.fb, zf]),
@@ -114,6 +116,7 @@ def discretise(costs: ChainCosts, budget: int, slots: int) -> SlotChain:
         xbar=_ceil_slots(b.xbar, mem, slots),
         fwd_tmp=_ceil_slots(b.fwd_tmp, mem, slots),
         bwd_tmp=_ceil_slots(b.bwd_tmp, mem, slots),
+        bwd_need=_ceil_slots(b.bwd_need, mem, slots),
         fwd=b.fwd,
         bwd=b.bwd,
         fb=b.fb,
@@ -139,11 +142,12 @@ def base_time(c: SlotChain) -> np.ndarray:
 
 def store_need(c: SlotChain) -> tuple[np.ndarray, np.ndarray]:
     """For the store-all branch of ``(s, t)`` with option ``k``: ``(K, L+1)`` memory the
-    backward ``B s`` needs (``x[s] + x[s+1] + xbar + bwd_tmp``, and what is held then: ``P[s]``),
+    backward ``B s`` needs (``x[s] + x[s+1] + xbar + bwd_tmp - unread``: the segment's backwards
+    and the loss read the bundle's output before it; and what is held then: ``P[s]``),
     and the forward's need beyond
     ``x[t+1]`` (``xbar + fwd_tmp``)."""
     s = np.arange(c.L + 1)
-    return c.x[s] + c.x[s + 1] + c.xbar + c.bwd_tmp + c.held[s], c.xbar + c.fwd_tmp
+    return c.x[s] + c.x[s + 1] + c.xbar + c.bwd_need + c.held[s], c.xbar + c.fwd_tmp
 
 
 def forward_thresholds(x: np.ndarray, fwd_tmp: np.ndarray, rows: int, cols: int, ov: np.ndarray | None = None) -> np.ndarray:

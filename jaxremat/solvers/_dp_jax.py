@@ -67,8 +67,9 @@ def prepare(c: SlotChain) -> dict[str, np.ndarray]:
         xd=_pad(c.xd, 2 * nr + 2, np.int32),
         xbar=_pad(c.xbar, nr + 1, np.int32),
         fwd_tmp=_pad(c.fwd_tmp, nr + 1, np.int32),
-        # B s's need, as the fill computes it from x, xbar and bwd_tmp, with what is held then
-        bwd_tmp=_pad(c.bwd_tmp + c.held[: c.L + 1][None, :], nr + 1, np.int32),
+        # B s's need in the store-all branch, as the fill computes it from x, xbar and bwd_tmp
+        # (its bwd_need: the bundle's unread output is gone), with what is held then
+        bwd_tmp=_pad(c.bwd_need + c.held[: c.L + 1][None, :], nr + 1, np.int32),
         fb=_pad(fb, nr + 1, np.float32),
         base_need=_pad(np.minimum(base_need(c), never), nr, np.int32, never),
         base_time=_pad(np.concatenate([fb, c.fb.astype(np.float32)[None, :]]), nr, np.float32, np.inf),

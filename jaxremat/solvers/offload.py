@@ -136,7 +136,7 @@ def _steps(p: _Problem, s: int, h: int):
         if tau > b.fwd[s]:
             continue
         need = int(c.xbar[k, s] + c.fwd_tmp[s]) + extra
-        back = int(c.x[s] + c.x[s + 1] + c.xbar[k, s] + c.bwd_tmp[k, s])
+        back = int(c.x[s] + c.x[s + 1] + c.xbar[k, s] + c.bwd_need[k, s])
         for o in (0, 1):
             succ = (s + 1, 2 + k, 0) if o else (s + 1, 0, int(c.xbar[k, s]))
             yield ("store", k, o), float(b.fwd[s]), need, succ, (float(b.bwd[k, s]), back)
