@@ -20,7 +20,7 @@ from jaxremat.profiling.rates import Rates, device_rates
 from jaxremat.profiling.stage import StageProfile, profile_stage
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-PROFILE_VERSION = 25  # 25: no unread credit for the last stage measured with the loss; 24: unread, the output bytes a backward does not read; 23: a parameter gradient made from constants alone (an embedding's scattered gradient) is held; bytes an in-place write shares with its dying operand count once (22: a trial); 21: fb_reuse, what FB saves by writing over its incoming cotangent (20: a trial, not kept); 19: kernel copies count in xbar only where the executor does not order the kernel reads after the cotangent; 18: a measured option backward at most FB's time (where above the backward's); 17: copies of the step input kept by the first stage count in its xbar; 16: measured FB at most B's time plus the forward's scaled by the share of its flops FB runs; 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
+PROFILE_VERSION = 26  # 26: the last stage's unread credit as far as its backward fused with the loss shows it (25: none); 24: unread, the output bytes a backward does not read; 23: a parameter gradient made from constants alone (an embedding's scattered gradient) is held; bytes an in-place write shares with its dying operand count once (22: a trial); 21: fb_reuse, what FB saves by writing over its incoming cotangent (20: a trial, not kept); 19: kernel copies count in xbar only where the executor does not order the kernel reads after the cotangent; 18: a measured option backward at most FB's time (where above the backward's); 17: copies of the step input kept by the first stage count in its xbar; 16: measured FB at most B's time plus the forward's scaled by the share of its flops FB runs; 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
 
 
 @contextlib.contextmanager
@@ -115,10 +115,10 @@ def profile_stages(
             seen[key] = prof
             stages.append(dataclasses.replace(prof, name=st.name, kind=st.kind))
             advance()
-    # the loss reads the last stage's output, and XLA fuses the two: no credit for its unread
-    # bytes (a 2-block GPT's store-all step 1.034x its plan with it, 0.985x without)
-    last_opts = tuple(dataclasses.replace(o, unread=0) for o in stages[-1].options)
-    stages[-1] = dataclasses.replace(stages[-1], unread=0, options=last_opts)
+    if loss is None:  # the loss reads the last stage's output, fused with it: no credit unmeasured
+        # (a 2-block GPT's store-all step 1.034x its plan with it, 1.00x without)
+        last_opts = tuple(dataclasses.replace(o, unread=0) for o in stages[-1].options)
+        stages[-1] = dataclasses.replace(stages[-1], unread=0, options=last_opts)
     # ChainCosts field <- StageProfile field, per stage
     fields = dict(
         xbar="xbar", fwd="fwd_time", bwd="bwd_time", fwd_tmp="fwd_tmp", bwd_tmp="bwd_tmp", names="name",

@@ -115,8 +115,7 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = Fals
     """``xbar``: the bytes XLA keeps from the stage's forward for its backward, plus its output.
 
     Compiled as forward, an optimisation barrier on (output, cotangent), backward, and read from
-    the buffers live across the barrier
-    (:func:`~jaxremat.profiling.xla_buffers.live_across_barrier`; the stage input's leaves are the
+    the buffers live across it (:func:`~jaxremat.profiling.xla_buffers.live_across_barrier`; the stage input's leaves are the
     activations there, and its parameters the kernels where the executor does not order their
     reads after the cotangent). ``step_input``: the stage is the chain's first, its input the
     step's argument (copies of it count).
@@ -181,17 +180,13 @@ def _backward(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_s
     backward (output included), the compiled backward (from the residuals and the cotangent), its
     transient bytes, the pullback, and the output bytes the backward does not read."""
     xbar, unread = kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input=not input_grad), 0
-    if scanned:
-        # a loop keeps its carry (the output) for the backward loop whatever that reads
+    if scanned:  # a loop keeps its carry (the output) for the backward loop whatever that reads
         xbar = max(xbar, scan_residual_bytes(g, params, a_shape, rest, rng))
     elif barriers_survive():
-        # what the backward does not read of the output XLA frees once the next backward has read
-        # it; only where it reads anything kept beyond the probe's 4-byte sum: one keeping nothing
-        # but the output recomputes the stage whole, which in the step held more than measured
-        # alone (docs/cost_model.md, "Output bytes a backward does not read")
+        # only where it reads anything kept beyond the probe's 4-byte sum (docs/cost_model.md,
+        # "Output bytes a backward does not read": one keeping nothing recomputes the stage whole)
         read = kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input=not input_grad, with_output=False)
-        out_bytes = tree_bytes(jax.eval_shape(g, params, a_shape, rest, rng))
-        unread = int(min(max(xbar - read, 0), out_bytes, xbar)) if read > 16 else 0
+        unread = max(0, min(xbar - read, tree_bytes(jax.eval_shape(g, params, a_shape, rest, rng)))) if read > 16 else 0
 
     def pullback(p, x, r, k):
         if input_grad:
@@ -374,12 +369,19 @@ def profile_stage(
     opts = {name: (o[0], o[1], o[2] + grad, o[3], o[4]) for name, o in opts.items()}
     if loss is not None:
         fused = _with_loss(g, loss, params, a_shape, rest, rng, input_grad, tree_bytes(out_shape))
-        bwd_tmp = max(bwd_tmp, fused(g) - xbar)
-        # not fb_tmp: the head recomputed for its backward, fused with the loss, held 0.25 MiB more
-        # than FB measured alone on the GPT, but an MLP layer's held one activation (4 MiB) more
-        # compiled alone than in the whole step (its 30% plan: XLA at 0.89 of the prediction)
-        opts = {name: (o[0], o[1], max(o[2], fused(jax.checkpoint(g, policy=policies[name])) - o[0]), o[3], o[4])
-                for name, o in opts.items()}
+
+        def need(kept: int, tmp: int, unread: int, gk: Callable) -> tuple[int, int]:
+            # B's need as fused with the loss, credited only down to that (a GPT head keeps its
+            # logits there: 2-block store-all 1.034x with the whole credit; an autoencoder's not)
+            with_loss = fused(gk) - kept
+            return max(tmp, with_loss), min(unread, max(0, tmp - with_loss))
+
+        bwd_tmp, unread = need(xbar, bwd_tmp, unread, g)
+        # not fb_tmp: the GPT head's FB fused with the loss held 0.25 MiB more than alone, but an
+        # MLP layer's alone held 4 MiB more than in the whole step (its 30% plan: XLA at 0.89)
+        for name, o in list(opts.items()):
+            tmp, unr = need(o[0], o[2], o[4], jax.checkpoint(g, policy=policies[name]))
+            opts[name] = (o[0], o[1], tmp, o[3], unr)
     shape_txt = str(jax.tree.map(lambda s: tuple(s.shape), out_shape))
     return StageProfile(
         name=st.name, kind=st.kind, out_shape=shape_txt, x_out=tree_bytes(out_shape), xbar=xbar,
