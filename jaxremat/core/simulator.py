@@ -61,6 +61,7 @@ class Machine:
     __slots__ = (
         "costs", "L", "a", "abar", "delta", "next_b", "loss_done", "cur", "time",
         "bandwidth", "offloading", "on_host", "prefetching", "links", "host_spans", "stall", "refs", "P", "read",
+        "moved",
     )
 
     def __init__(self, costs: ChainCosts, bandwidth: Bandwidth | None = None):
@@ -83,6 +84,7 @@ class Machine:
         self.refs: dict[int, int] = {}  # shared value -> how many live buffers hold it
         self.P = tuple(int(v) for v in costs.held_before)  # held until each backward, by stage
         self.read: set[int] = set()  # bundles whose output the next backward (or the loss) has read
+        self.moved: set[int] = set()  # bundles offloaded: prefetched whole, they take no credit
 
     def copy(self) -> "Machine":
         m = Machine.__new__(Machine)
@@ -93,13 +95,13 @@ class Machine:
         m.bandwidth, m.offloading, m.on_host = self.bandwidth, dict(self.offloading), set(self.on_host)
         m.prefetching, m.links = dict(self.prefetching), dict(self.links)
         m.host_spans, m.stall = list(self.host_spans), self.stall
-        m.refs, m.P, m.read = dict(self.refs), self.P, set(self.read)
+        m.refs, m.P, m.read, m.moved = dict(self.refs), self.P, set(self.read), set(self.moved)
         return m
 
     def key(self) -> tuple:
         """A hashable summary of the state (for searches; without transfers' timing)."""
         return (frozenset(self.a), frozenset(self.abar.items()), self.delta, self.next_b, self.loss_done,
-                frozenset(self.read))
+                frozenset(self.read), frozenset(self.moved))
 
     def a_live(self, i: int) -> bool:
         return i == 0 or i in self.a or (i - 1) in self.abar
@@ -177,6 +179,8 @@ class Machine:
             end = start + self.bandwidth.seconds(self.nbytes(key), "to_host")
             self.links["to_host"] = self.offloading[key] = end
             self.host_spans.append((self.time, float("inf"), self.nbytes(key)))
+            if op.buffer == "abar":
+                self.moved.add(op.stage)
             return
         # Prefetch
         if not exists or (key not in self.offloading and key not in self.on_host):
@@ -309,8 +313,9 @@ class Machine:
             # the bundle's output bytes B does not read are gone if the next backward (or the loss)
             # has read them; a bundle made after that backward keeps them (docs/cost_model.md)
             xbar, bwd, bwd_tmp, unread = c.option_table[i][self.abar.pop(i)]
-            credit = unread if i in self.read else 0
+            credit = unread if i in self.read and i not in self.moved else 0
             self.read.discard(i)
+            self.moved.discard(i)
             peak = self.cur + int(c.x[i]) + bwd_tmp - credit + self.P[i]
             self.cur -= self._release(("abar", i), xbar)
             self.freed(("abar", i))

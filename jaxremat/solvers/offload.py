@@ -136,8 +136,8 @@ def _steps(p: _Problem, s: int, h: int):
         if tau > b.fwd[s]:
             continue
         need = int(c.xbar[k, s] + c.fwd_tmp[s]) + extra
-        back = int(c.x[s] + c.x[s + 1] + c.xbar[k, s] + c.bwd_need[k, s])
-        for o in (0, 1):
+        for o in (0, 1):  # an offloaded bundle comes back whole: no credit for its unread output
+            back = int(c.x[s] + c.x[s + 1] + c.xbar[k, s] + (c.bwd_tmp if o else c.bwd_need)[k, s])
             succ = (s + 1, 2 + k, 0) if o else (s + 1, 0, int(c.xbar[k, s]))
             yield ("store", k, o), float(b.fwd[s]), need, succ, (float(b.bwd[k, s]), back)
     start, need = 0.0, 0
