@@ -182,11 +182,11 @@ def _backward(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_s
     xbar, unread = kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input=not input_grad), 0
     if scanned:  # a loop keeps its carry (the output) for the backward loop whatever that reads
         xbar = max(xbar, scan_residual_bytes(g, params, a_shape, rest, rng))
-    elif barriers_survive():
+    elif barriers_survive() and xbar > (out := tree_bytes(jax.eval_shape(g, params, a_shape, rest, rng))) + 16:
         # only where it reads anything kept beyond the probe's 4-byte sum (docs/cost_model.md,
         # "Output bytes a backward does not read": one keeping nothing recomputes the stage whole)
         read = kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input=not input_grad, with_output=False)
-        unread = max(0, min(xbar - read, tree_bytes(jax.eval_shape(g, params, a_shape, rest, rng)))) if read > 16 else 0
+        unread = max(0, min(xbar - read, out)) if read > 16 else 0
 
     def pullback(p, x, r, k):
         if input_grad:
