@@ -172,9 +172,10 @@ class ConvBlock(nn.Module):
 def test_stored_convolutions_make_no_copies_of_donated_kernels():
     """In the update step (parameters donated), plain autodiff makes XLA copy the kernels a
     backward reads for its input gradient; the executor's stored stages that convolve tie the
-    weight gradient to the input's cotangent, so none is copied. Stages under a policy are left
-    as ``jax.checkpoint`` makes them: storing every stage under it compiles to the hand-written
-    strategy's step, its copies and its memory."""
+    weight gradient to the input's cotangent, so none is copied, also under a policy in a plan
+    that stores a stage whole or recomputes one. Where every stage is under a policy, the stages
+    are left as ``jax.checkpoint`` makes them: the plan compiles to the hand-written strategy's
+    step, its copies and its memory."""
     from jaxremat.api.calibrate import compile_schedule_step, compile_step
     from jaxremat.core.schedule import Schedule
     from jaxremat.tools import compare
@@ -199,8 +200,12 @@ def test_stored_convolutions_make_no_copies_of_donated_kernels():
             assert _kernel_copies(step, n) == 0
             continue
         hand = compile_step(compare.grouped(chain, 1, getattr(jax.checkpoint_policies, name)), per, params, x)
+        assert _kernel_copies(hand, n) > 0, name
         assert _kernel_copies(step, n) == _kernel_copies(hand, n), name
         assert step.memory_analysis().temp_size_in_bytes <= hand.memory_analysis().temp_size_in_bytes, name
+        mixed = [("Fall", 0, by_stage[0][name]), ("Fall", 1), *ops[2:]]  # stage 1 whole: the others tie
+        step = compile_schedule_step(chain, v, x, Schedule.from_ops(costs, mixed, budget=None, algorithm="mixed"))
+        assert _kernel_copies(step, n) == 0, name
 
 
 def test_a_region_handing_its_cotangent_over_reads_its_kernels_before_their_update():

@@ -32,9 +32,10 @@ class Walker:
     def __init__(
         self, chain: Chain, rngs: Rngs, cut: Cut, loops: LoopPlan, alike: Alike, scan: bool | None,
         policies: dict[tuple[int, int], Policy], offloaded: frozenset[tuple[str, int]] = frozenset(),
-        reuses: frozenset[int] = frozenset(),
+        reuses: frozenset[int] = frozenset(), tie_policies: bool = True,
     ):
         self.chain, self.rngs, self.cut, self.loops, self.alike, self.scan = chain, rngs, cut, loops, alike, scan
+        self.tie_policies = tie_policies  # whether top-level stages under a policy tie too (see stage)
         self.policies = policies  # (stage, store option) -> the checkpoint policy it runs under
         self.offloaded = offloaded  # ("a", i) / ("abar", i): buffers kept in host memory
         self.reuses = reuses  # stages whose FB writes over the incoming cotangent (ChainCosts.fb_reuse)
@@ -54,12 +55,19 @@ class Walker:
         """Stage ``i`` stored under ``option``: 0 keeps every residual, another runs the stage
         under ``jax.checkpoint`` with the option's policy (its backward recomputes the rest).
         A top-level stage whose bundle or input the schedule offloads keeps them in host memory.
-        A top-level stage after the first stored whole ties its parameter gradient to its input's
-        cotangent (:func:`~jaxremat.run._grad_tie.tied_gradients`: no copies of donated kernels);
-        inside a region, the region's own barrier does. A stage under a policy is left as
-        ``jax.checkpoint`` makes it, so that a plan storing every stage under the policy compiles
-        to the hand-written strategy's step: tied, a ResNet's used 14.79 MiB where the strategy's
-        used 14.67, a 12-block GPT's 47.768 against 47.766."""
+        A top-level stage after the first ties its parameter gradient to its input's cotangent
+        (:func:`~jaxremat.run._grad_tie.tied_gradients`: no copies of donated kernels); inside a
+        region, the region's own barrier does.
+
+        A stage under a policy ties too, unless ``tie_policies`` is false: the plan stores every
+        top-level stage under a policy, recomputes nothing, and then compiles to the hand-written
+        strategy's step (measured on the CPU, 2026-12-04, update step). Untied, each convolution
+        under a policy keeps a copy of its kernel from the step's start to its backward: the conv
+        autoencoder's plan that recomputes three stages and stores seven under policies was
+        predicted 15.38 MiB and used 15.79 untied, 15.38 tied. But where every stage is under
+        ``dots_saveable``, the tie trades those copies for transposed activations in the
+        backward: a ResNet's used 14.79 MiB tied where the strategy's used 14.67 (untied: the
+        same 14.67), a 12-block GPT's 47.768 against 47.766."""
         apply = self.chain.stages[i].apply
         if option:
             apply = jax.checkpoint(apply, policy=self.policies[(i, option)])
@@ -67,7 +75,7 @@ class Walker:
         if bundle or inputs:
             moved = offloaded_stage(apply, bundle=bundle, inputs=inputs)
             apply = lambda v, a, keys: moved(v, keys, a)  # noqa: E731
-        if env is None and i > 0 and not option:  # outermost: an offloaded stage's residuals are those of its own vjp
+        if env is None and i > 0 and (not option or self.tie_policies):  # outermost: an offloaded stage's residuals are those of its own vjp
             apply = tied_gradients(apply)
         out, new = apply(self.variables(i, env), a, self.keys(i, env))
         if new:

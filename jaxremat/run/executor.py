@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxremat.core.policies import Policy, resolve
 from jaxremat.core.schedule import Schedule
-from jaxremat.core.tree import offloads_in, parse_offloads, units
+from jaxremat.core.tree import Leaf, StoreUnit, offloads_in, parse_offloads, units
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs
 from jaxremat.run._variables import cut_variables
@@ -72,7 +72,7 @@ def execute(
     if schedule.costs.length != L:
         raise ValueError(f"the schedule is for a chain of {schedule.costs.length} stages; this chain has {L}")
     tree, offloaded = parse_offloads(schedule.ops, L)
-    spine, _ = units(tree)
+    spine, leaf = units(tree)
     used = {(op.stage, op.option) for op in schedule.ops if op.option}
     resolved = {
         (i, k): resolve(schedule.costs.option(i, k).name, policies, f"stage {i} ({chain.stages[i].name}), option {k},")
@@ -81,6 +81,10 @@ def execute(
 
     # stages whose FB writes over the incoming cotangent: the region after one hands it over directly
     reuses = frozenset(int(i) for i in np.flatnonzero(schedule.costs.fb_reuse))
+    # a plan that stores every top-level stage (but the first, never tied) under a policy is the
+    # hand-written strategy's step: its stages stay as jax.checkpoint makes them (Walker.stage)
+    tie_policies = not all(isinstance(u, StoreUnit) and (u.option or u.stage == 0) for u in spine) or not (
+        isinstance(leaf, Leaf) and (leaf.option or leaf.stage in (0, L)) and not leaf.fused)
 
     def forward(variables: Any, x: Any, rngs: Rngs = None) -> tuple[Any, Any]:
         shapes = chain.stage_shapes(variables)  # the loops depend on the variables' shapes
@@ -91,7 +95,7 @@ def execute(
             _warn_copies(layer, offloads=offloads_in(offloaded, g.start, g.start + g.length))
         updates: dict[int, Any] = {}
         walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, resolved, offloaded,
-                        reuses)
+                        reuses, tie_policies)
         return walker.run(tree, L, x, updates), updates
 
     return forward
