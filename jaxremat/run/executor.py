@@ -85,6 +85,11 @@ def execute(
     # hand-written strategy's step: its stages stay as jax.checkpoint makes them (Walker.stage)
     tie_policies = not all(isinstance(u, StoreUnit) and (u.option or u.stage == 0) for u in spine) or not (
         isinstance(leaf, Leaf) and (leaf.option or leaf.stage in (0, L)) and not leaf.fused)
+    # stages stored whole right after one under a policy read their input as made (Walker.stage)
+    sealed = frozenset(
+        u.stage for t, u in zip(spine, spine[1:]) if isinstance(t, StoreUnit) and t.option and isinstance(u, StoreUnit)
+        and not u.option
+    )
 
     def forward(variables: Any, x: Any, rngs: Rngs = None) -> tuple[Any, Any]:
         shapes = chain.stage_shapes(variables)  # the loops depend on the variables' shapes
@@ -95,7 +100,7 @@ def execute(
             _warn_copies(layer, offloads=offloads_in(offloaded, g.start, g.start + g.length))
         updates: dict[int, Any] = {}
         walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, resolved, offloaded,
-                        reuses, tie_policies)
+                        reuses, tie_policies, sealed)
         return walker.run(tree, L, x, updates), updates
 
     return forward
