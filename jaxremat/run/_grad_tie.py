@@ -39,7 +39,8 @@ _tie.defvjp(_tie_fwd, _tie_bwd)
 
 
 def tied_gradients(apply: Apply) -> Apply:
-    """``apply`` (a stage stored whole under plain autodiff) whose backward
+    """``apply`` (a stage stored whole, or under a checkpoint policy; see
+    :meth:`~jaxremat.run._walk.Walker.stage` for when) whose backward
     reads its kernels only after its output's cotangent arrives, when the stage's only variables
     are its parameters (:func:`~jaxremat.model.kernel_reads.reads_after_cotangent`), and, when
     the stage runs a convolution, whose parameter cotangent and input cotangent pass one
