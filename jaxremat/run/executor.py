@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxremat.core.policies import Policy, resolve
 from jaxremat.core.schedule import Schedule
-from jaxremat.core.tree import Leaf, StoreUnit, offloads_in, parse_offloads, units
+from jaxremat.core.tree import StoreUnit, offloads_in, parse_offloads, units
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs
 from jaxremat.run._variables import cut_variables
@@ -83,8 +83,11 @@ def execute(
     reuses = frozenset(int(i) for i in np.flatnonzero(schedule.costs.fb_reuse))
     # a plan that stores every top-level stage (but the first, never tied) under a policy is the
     # hand-written strategy's step: its stages stay as jax.checkpoint makes them (Walker.stage)
-    tie_policies = not all(isinstance(u, StoreUnit) and (u.option or u.stage == 0) for u in spine) or not (
-        isinstance(leaf, Leaf) and (leaf.option or leaf.stage in (0, L)) and not leaf.fused)
+    under_policy = lambda stage, option: option > 0 or stage == 0  # noqa: E731
+    tie_policies = not (
+        all(isinstance(u, StoreUnit) and under_policy(u.stage, u.option) for u in spine)
+        and (leaf.stage == L or (under_policy(leaf.stage, leaf.option) and not leaf.fused))
+    )
     # stages stored whole right after one under a policy read their input as made (Walker.stage)
     sealed = frozenset(
         u.stage for t, u in zip(spine, spine[1:]) if isinstance(t, StoreUnit) and t.option and isinstance(u, StoreUnit)
