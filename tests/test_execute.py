@@ -226,10 +226,13 @@ def test_a_stage_stored_whole_after_one_under_a_policy_reads_its_input_as_made()
     costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
     L, x0 = len(chain), int(costs.x[0])
     assert all(o and o[0].name == "dots_saveable" for o in costs.options)
-    for options in ([1, 1, 0, 1, 0, 1], [0] * L):
+    ratio = {}  # XLA temp / predicted
+    for name, options in (("alternating", [1, 1, 0, 1, 0, 1]), ("store-all", [0] * L)):
         ops = [("Fall", i, k) for i, k in enumerate(options)] + [("Loss", L)] + [("B", i) for i in reversed(range(L))]
-        plan = Schedule.from_ops(costs, ops, budget=None, algorithm="alternating")
-        assert step_temp(chain, v, x, plan) <= plan.peak - x0, options
+        plan = Schedule.from_ops(costs, ops, budget=None, algorithm=name)
+        ratio[name] = step_temp(chain, v, x, plan) / (plan.peak - x0)
+    assert ratio["alternating"] <= 1.0, ratio  # 1.003 without the barrier, 0.971 with it
+    assert ratio["store-all"] <= 0.93, ratio  # 0.85 (0.97 with a barrier before every block)
 
 
 def test_a_region_handing_its_cotangent_over_reads_its_kernels_before_their_update():
