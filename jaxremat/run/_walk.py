@@ -87,7 +87,8 @@ class Walker:
         if bundle or inputs:
             moved = offloaded_stage(apply, bundle=bundle, inputs=inputs)
             apply = lambda v, a, keys: moved(v, keys, a)  # noqa: E731
-        if env is None and i > 0 and (not option or self.tie_policies):  # outermost: an offloaded stage's residuals are those of its own vjp
+        # outermost: an offloaded stage's residuals are those of its own vjp
+        if env is None and i > 0 and (not option or self.tie_policies):
             apply = tied_gradients(apply)
         if top and i in self.sealed:
             a = lax.optimization_barrier(a)
