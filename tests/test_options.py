@@ -337,7 +337,7 @@ def test_a_repeat_layer_stored_under_a_policy_runs_as_a_loop_exactly():
 
 
 def test_fb_time_is_at_most_fall_and_b_with_the_forward_it_still_runs():
-    from jaxremat.profiling.stage import fused_time
+    from jaxremat.profiling.timing import fused_time
 
     # timed alone, FB came out slower than Fall; B while running 0.91 of their flops (a GPT block:
     # forward 0.24, backward 0.477 GFLOP): its bound keeps the backward and 0.73 of the forward
@@ -371,7 +371,7 @@ def test_an_option_that_recomputes_less_is_kept_whatever_its_timing():
 def test_an_options_backward_time_is_at_most_fbs():
     """The backward under a policy recomputes part of what FB recomputes: timed slower than FB (a
     GPT's LM head: 1.91 ms against 1.38 for FB and 1.37 for its backward), it is taken as FB's."""
-    from jaxremat.profiling.stage import option_time
+    from jaxremat.profiling.timing import option_time
 
     assert option_time(1.91, 1.37, 1.38) == 1.38
     assert option_time(5.28, 4.52, 6.21) == 5.28  # below FB: as measured

@@ -17,10 +17,11 @@ from jaxremat.model.identity import closure_key, stage_identity
 from jaxremat.model.trees import is_sharded, mesh_devices, sharding_of, tree_bytes
 from jaxremat.profiling import cache as disk_cache
 from jaxremat.profiling.rates import Rates, device_rates
-from jaxremat.profiling.stage import StageProfile, profile_stage
+from jaxremat.profiling.stage import StageProfile, profile_stage, with_times
+from jaxremat.profiling.timing import StageTimes
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-PROFILE_VERSION = 26  # 26: the last stage's unread credit as far as its backward fused with the loss shows it (25: none); 24: unread, the output bytes a backward does not read; 23: a parameter gradient made from constants alone (an embedding's scattered gradient) is held; bytes an in-place write shares with its dying operand count once (22: a trial); 21: fb_reuse, what FB saves by writing over its incoming cotangent (20: a trial, not kept); 19: kernel copies count in xbar only where the executor does not order the kernel reads after the cotangent; 18: a measured option backward at most FB's time (where above the backward's); 17: copies of the step input kept by the first stage count in its xbar; 16: measured FB at most B's time plus the forward's scaled by the share of its flops FB runs; 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
+PROFILE_VERSION = 27  # 27: every stage timed twice, tens of seconds apart, the faster kept; 26: the last stage's unread credit as far as its backward fused with the loss shows it (25: none); 24: unread, the output bytes a backward does not read; 23: a parameter gradient made from constants alone (an embedding's scattered gradient) is held; bytes an in-place write shares with its dying operand count once (22: a trial); 21: fb_reuse, what FB saves by writing over its incoming cotangent (20: a trial, not kept); 19: kernel copies count in xbar only where the executor does not order the kernel reads after the cotangent; 18: a measured option backward at most FB's time (where above the backward's); 17: copies of the step input kept by the first stage count in its xbar; 16: measured FB at most B's time plus the forward's scaled by the share of its flops FB runs; 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
 
 
 @contextlib.contextmanager
@@ -54,8 +55,9 @@ def profile_stages(
     ``x`` comes from the shapes, ``xbar`` from the bytes XLA keeps across an optimisation
     barrier between each stage's forward and backward, ``fwd_tmp`` / ``bwd_tmp`` from the
     compiled temp memory of the stage's forward and of its backward, times from the fastest of
-    ``repeats`` interleaved wall-clock rounds (``"measure"``: the forward, the backward from
-    its residuals, the two fused) or from the compiled flops and bytes against device rates
+    ``repeats`` interleaved wall-clock rounds, timed twice (``"measure"``: the forward, the
+    backward from its residuals, the two fused; every stage once as it is measured and again
+    once all are) or from the compiled flops and bytes against device rates
     (``"xla"``, deterministic given ``rates``; measured once by :func:`measure_rates` when not
     given). Each stage is also measured under every checkpoint policy of ``policies`` (its store
     options; by default ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``, see
@@ -87,7 +89,8 @@ def profile_stages(
     check_loss(loss)
     last = len(chain) - 1
     seen: dict[str, StageProfile] = {}  # identical stages are measured once
-    stages: list[StageProfile] = []
+    timed: dict[str, StageTimes] = {}  # the stages measured here, to be timed again
+    keys: list[str] = []
     with _progress(len(chain), quiet) as advance:
         for i, (st, v) in enumerate(zip(chain.stages, per_stage)):
             key = disk_cache.make_key(
@@ -97,6 +100,7 @@ def profile_stages(
                 [str(sharding_of(leaf)) for leaf in jax.tree.leaves((v, shapes[i]))] if is_sharded((v, shapes[i])) else None,
                 closure_key(loss) if i == last and loss is not None else None,
             )
+            keys.append(key)
             prof = seen.get(key)
             if prof is None and use_disk and st.key:
                 entry = disk_cache.load(key)
@@ -106,15 +110,24 @@ def profile_stages(
                     except TypeError:
                         prof = None
             if prof is None:
-                prof = profile_stage(
+                prof, timer = profile_stage(
                     st, v, shapes[i], method=method, rates=rates, repeats=repeats, input_grad=i > 0, scanned=scanned[i],
                     policies=measured, loss=loss if i == last else None,
                 )
-                if use_disk and st.key:
+                if timer is None and use_disk and st.key:
                     disk_cache.store(key, dataclasses.asdict(prof))
+                if timer is not None:
+                    timed[key] = timer
             seen[key] = prof
-            stages.append(dataclasses.replace(prof, name=st.name, kind=st.kind))
             advance()
+    # every measured stage timed a second time, now that all are measured (seconds after its
+    # first timing, past a slow spell of the machine that hit every round of one), each program's
+    # faster time kept (see StageTimes)
+    for key, timer in timed.items():
+        seen[key] = with_times(seen[key], timer.again(repeats))
+        if use_disk and any(k == key and st.key for k, st in zip(keys, chain.stages)):
+            disk_cache.store(key, dataclasses.asdict(seen[key]))
+    stages = [dataclasses.replace(seen[k], name=st.name, kind=st.kind) for k, st in zip(keys, chain.stages)]
     if loss is None:  # the loss reads the last stage's output, fused with it: no credit unmeasured
         # (a 2-block GPT's store-all step 1.034x its plan with it, 0.985x without)
         last_opts = tuple(dataclasses.replace(o, unread=0) for o in stages[-1].options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ from jaxremat.model.kernel_reads import orders_kernel_reads, reads_after_cotange
 from jaxremat.model.stage import Stage, convolves
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
 from jaxremat.profiling.rates import Rates
-from jaxremat.profiling.timing import check_against_flops
+from jaxremat.profiling.timing import Program, StageTimes
 from jaxremat.profiling.xla_buffers import bytes_kept_across_barrier, fused_bytes, transient_bytes
 
 
@@ -243,50 +244,27 @@ def _with_loss(g: Callable, loss: Callable, params: Any, a_shape: Any, rest: Any
     return fused
 
 
-def fused_time(fb: float, fwd: float, bwd: float, fb_flops: float, fwd_flops: float, bwd_flops: float) -> float:
-    """``FB``'s time: as measured, but at most what ``Fall; B`` takes with the forward's time
-    scaled by the share of the forward's flops that ``FB`` still runs.
+def _from_residuals(pullback: Callable) -> Callable[..., Program]:
+    """The backward as a program of its residuals and the cotangent: a function of the stage's
+    concrete arguments ``(p, a, r, rng, cot)`` that returns it with concrete residuals, traced and
+    compiled once however often it is called (the profiler times each stage twice)."""
+    program: Callable | None = None
 
-    ``FB`` is the stage's backward plus the forward work the backward reads (XLA drops the
-    rest), so in the step it costs no more than ``Fall; B``. Timed alone it can come out slower:
-    a 12-block GPT's block measured 8.5 ms against 2.7 + 5.4 ms for its forward and backward
-    while running 0.91 of their flops, so plans recomputed blocks with ``Fall; B`` (1.05x the
-    compiled flops) and ran 0.92 of no remat's time where every block fused (``remat every
-    block``) ran 0.88. The bound is never below the backward's own time. Flops unknown (zero):
-    ``fwd + bwd``.
-    """
-    share = 1.0
-    if fwd_flops > 0 and fb_flops > 0:
-        share = min(1.0, max(0.0, fb_flops - bwd_flops) / fwd_flops)
-    return min(fb, bwd + fwd * share)
+    def make(p: Any, a: Any, r: Any, rng: Any, cot: Any) -> Program:
+        nonlocal program
+        leaves, tree = jax.tree.flatten(pullback(p, a, r, rng))
+        if program is None:
+            program = jax.jit(lambda leaves, c: tree.unflatten(leaves)(c))
+        return program, (leaves, cot)
 
-
-def option_time(measured: float, bwd: float, fb: float) -> float:
-    """A store option's backward time: as measured, but at most ``FB``'s (itself capped by
-    :func:`fused_time`) where that is above the store-all backward's.
-
-    The backward under a policy is the stage's backward plus the recomputation of the residuals
-    the policy did not keep, a part of what ``FB`` recomputes; so it costs no more than ``FB``.
-    Timed alone it can come out slower: a 12-block GPT's LM head measured 1.91 ms under
-    ``dots_with_no_batch_dims_saveable`` against 1.37 for its backward and 1.38 for ``FB``, so the
-    schedule storing every block under ``dots_saveable`` and the head under the policy (what
-    ``jax.checkpoint(block, policy=dots_saveable)`` around every block runs) was predicted 0.4%
-    slower than a plan that recomputes a block and the head whole, in 1.8% more flops.
-    """
-    return min(measured, max(bwd, fb))
-
-
-def _from_residuals(pullback: Callable, p: Any, a: Any, r: Any, rng: Any, cot: Any) -> tuple[Callable, tuple]:
-    """The backward as a program of its residuals and the cotangent, with concrete residuals."""
-    leaves, tree = jax.tree.flatten(pullback(p, a, r, rng))
-    return jax.jit(lambda leaves, c: tree.unflatten(leaves)(c)), (leaves, cot)
+    return make
 
 
 def profile_stage(
     st: Stage, variables: dict, a_shape: Any, *, method: str, rates: Rates | None, repeats: int = 5,
     input_grad: bool = True, scanned: bool = False, policies: dict[str, Callable] | None = None,
     loss: Callable | None = None,
-) -> StageProfile:
+) -> tuple[StageProfile, StageTimes | None]:
     """Measure one stage: stored whole, under each checkpoint policy of ``policies`` (its store
     options), and fused forward-backward (``FB``). ``input_grad=False`` (the chain's first
     stage) leaves the input's gradient out of the backward, as a training step never computes it.
@@ -301,7 +279,10 @@ def profile_stage(
 
     ``loss`` (the chain's last stage only): the loss the training step applies to the stage's
     output. The backwards are then also measured with it (:func:`_with_loss`), as the whole step
-    runs them."""
+    runs them.
+
+    Returns the profile and, with ``method="measure"``, its :class:`~jaxremat.profiling.timing.StageTimes`
+    (to time the stage again: :func:`with_times` puts a new timing into the profile)."""
     g = _stage_fn(st)
     params, rest = _split_params(abstract(variables))  # shapes only: works under a trace
     rng = jax.random.key(0)
@@ -341,25 +322,27 @@ def profile_stage(
     fbf, fbb = _cost(fb_c)
     costs = {name: _cost(o[1]) for name, o in opts.items()}
     flags: list[str] = []
+    timer = None
     if method == "xla":
         assert rates is not None
         roof = lambda flops, nbytes: max(flops / rates.flops, nbytes / rates.bandwidth)  # noqa: E731
         ft, bt, fbt = roof(ff, fbytes), roof(bf, bb), roof(fbf, fbb)
         opt_t = {name: roof(*c) for name, c in costs.items()}
     else:
-        concrete = lambda s: _placed(jnp.zeros(s.shape, s.dtype), s)  # noqa: E731
-        a, p, r = jax.tree.map(concrete, (a_shape, params, rest))
-        cot = jax.tree.map(lambda s: _placed(jnp.ones(s.shape, s.dtype), s), cot_shape)
-        programs = {"forward": (fwd_c, (p, a, r, rng)), "backward": _from_residuals(pullback, p, a, r, rng, cot),
-                    "FB": (fb_c, (p, a, r, rng, cot))}
-        flops = {"forward": ff, "backward": bf, "FB": fbf}
-        for name, (_, _, _, pb, _) in opts.items():
-            programs[f"backward under {name}"] = _from_residuals(pb, p, a, r, rng, cot)
-            flops[f"backward under {name}"] = costs[name][0]
-        t, flags = check_against_flops(programs, repeats, flops, {n: "forward" for n in programs if n.startswith("backward")})
-        ft, bt, fbt = t["forward"], t["backward"], t["FB"]
-        fbt = fused_time(fbt, ft, bt, fbf, ff, bf)  # the roofline's FB is its own flops' and bytes' already
-        opt_t = {name: option_time(t[f"backward under {name}"], bt, fbt) for name in opts}
+        backwards = {"backward": _from_residuals(pullback)}
+        backwards.update({f"backward under {name}": _from_residuals(o[3]) for name, o in opts.items()})
+
+        def build() -> dict[str, Program]:
+            concrete = lambda s: _placed(jnp.zeros(s.shape, s.dtype), s)  # noqa: E731
+            a, p, r = jax.tree.map(concrete, (a_shape, params, rest))
+            cot = jax.tree.map(lambda s: _placed(jnp.ones(s.shape, s.dtype), s), cot_shape)
+            programs = {"forward": (fwd_c, (p, a, r, rng)), "FB": (fb_c, (p, a, r, rng, cot))}
+            return programs | {name: make(p, a, r, rng, cot) for name, make in backwards.items()}
+
+        flops = {"forward": ff, "backward": bf, "FB": fbf, **{f"backward under {n}": costs[n][0] for n in opts}}
+        timer = StageTimes.measure(build, flops, repeats)
+        ft, bt, fbt = timer.forward, timer.backward, timer.fused
+        opt_t, flags = {name: timer.option(name) for name in opts}, list(timer.flags)
     # The parameter gradient: in the update step (parameters and optimizer state donated) every
     # backward of the stage holds it, a temporary the update reads; the programs above return it
     # (their transients leave it out, and XLA parks temporaries in it). An MLP layer's FB with an
@@ -383,7 +366,7 @@ def profile_stage(
             tmp, unr = need(o[0], o[2], o[4], jax.checkpoint(g, policy=policies[name]))
             opts[name] = (o[0], o[1], tmp, o[3], unr)
     shape_txt = str(jax.tree.map(lambda s: tuple(s.shape), out_shape))
-    return StageProfile(
+    prof = StageProfile(
         name=st.name, kind=st.kind, out_shape=shape_txt, x_out=tree_bytes(out_shape), xbar=xbar,
         fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp,
         fwd_flops=ff, bwd_flops=bf, fwd_bytes=fbytes, bwd_bytes=bb, fwd_time=ft, bwd_time=bt,
@@ -393,8 +376,16 @@ def profile_stage(
         ),
         flags=tuple(flags),
     )
+    return prof, timer
+
+
+def with_times(prof: StageProfile, times: StageTimes) -> StageProfile:
+    """``prof`` with the times (and flags) of ``times``."""
+    options = tuple(dataclasses.replace(o, bwd_time=times.option(o.name)) for o in prof.options)
+    return dataclasses.replace(prof, fwd_time=times.forward, bwd_time=times.backward, fb_time=times.fused,
+                               options=options, flags=times.flags)
 
 
 __all__ = [
-    "OptionProfile", "StageProfile", "fused_time", "kept_bytes", "option_time", "profile_stage", "scan_residual_bytes",
+    "OptionProfile", "StageProfile", "kept_bytes", "profile_stage", "scan_residual_bytes", "with_times",
 ]
