@@ -281,8 +281,9 @@ def profile_stage(
     output. The backwards are then also measured with it (:func:`_with_loss`), as the whole step
     runs them.
 
-    Returns the profile and, with ``method="measure"``, its :class:`~jaxremat.profiling.timing.StageTimes`
-    (to time the stage again: :func:`with_times` puts a new timing into the profile)."""
+    Returns the profile and, with ``method="measure"``, its programs to time
+    (:class:`~jaxremat.profiling.timing.StageTimes`): the profile's times are zero until
+    :func:`with_times` puts theirs in."""
     g = _stage_fn(st)
     params, rest = _split_params(abstract(variables))  # shapes only: works under a trace
     rng = jax.random.key(0)
@@ -340,9 +341,9 @@ def profile_stage(
             return programs | {name: make(p, a, r, rng, cot) for name, make in backwards.items()}
 
         flops = {"forward": ff, "backward": bf, "FB": fbf, **{f"backward under {n}": costs[n][0] for n in opts}}
-        timer = StageTimes.measure(build, flops, repeats)
-        ft, bt, fbt = timer.forward, timer.backward, timer.fused
-        opt_t, flags = {name: timer.option(name) for name in opts}, list(timer.flags)
+        timer = StageTimes(build, flops)  # timed by the caller (with_times puts its times in)
+        ft = bt = fbt = 0.0
+        opt_t = {name: 0.0 for name in opts}
     # The parameter gradient: in the update step (parameters and optimizer state donated) every
     # backward of the stage holds it, a temporary the update reads; the programs above return it
     # (their transients leave it out, and XLA parks temporaries in it). An MLP layer's FB with an

@@ -12,7 +12,7 @@ machine can outlast them all: the profiler times every stage a second time once 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import jax
@@ -138,34 +138,31 @@ def option_time(measured: float, bwd: float, fb: float) -> float:
 @dataclass(frozen=True)
 class StageTimes:
     """A stage's programs (``"forward"``, ``"backward"``, ``"FB"`` and one ``"backward under
-    <policy>"`` per store option), their flops and their times so far: the fastest round of every
-    timing (seconds per call).
+    <policy>"`` per store option), their flops and, once :meth:`timed`, their times: each
+    program's fastest round over every timing (seconds per call).
 
-    Two profiles of the ResNet in one process gave its stem and first block 15-20% slower
-    forwards and backwards in the first than in the second, in every round; on another day an
-    autoencoder's convolution's backward came out 29% apart. A stage's rounds all fall within a
-    second, so such a spell hits every one of them, and the fastest round cannot reject it. The
-    profiler therefore times each stage :meth:`again` once every stage is measured, tens of
-    seconds later, and keeps each program's faster time.
+    The profiler compiles every stage first and then times each twice, a pass over all stages
+    apart (:func:`~jaxremat.profiling.profiler.profile_stages`). Timed right after its compile, as
+    it was, a stage came out slow in every round now and then: two profiles of a ResNet in one
+    process gave its stem and first block forwards and backwards 15-20% apart, an autoencoder's
+    convolution's backward 29% on another day; timed right after its compile and again once every
+    stage was, 3 of a ResNet's 14 stage timings (two profiles) were 20-26% slower the first time,
+    every program of the stage together. A stage's rounds fall within a second,
+    so a slow spell covers all of them and the fastest round cannot reject it; a second timing tens
+    of seconds later can.
     """
 
     build: Callable[[], dict[str, Program]]  # the programs, with fresh concrete arguments
     flops: dict[str, float]
-    raw: dict[str, float]
+    raw: dict[str, float] = field(default_factory=dict)
     flags: tuple[str, ...] = ()
 
-    @classmethod
-    def measure(cls, build: Callable[[], dict[str, Program]], flops: dict[str, float], rounds: int,
-                earlier: dict[str, float] | None = None) -> "StageTimes":
-        """Time the programs ``build`` makes in ``rounds`` interleaved rounds (each at most its
-        ``earlier`` time); the arguments are freed when this returns."""
-        backward = {n: "forward" for n in flops if n.startswith("backward")}
-        t, flags = check_against_flops(build(), rounds, flops, backward, earlier)
-        return cls(build, flops, t, tuple(flags))
-
-    def again(self, rounds: int) -> "StageTimes":
-        """Timed once more: each program's faster time of the two."""
-        return StageTimes.measure(self.build, self.flops, rounds, self.raw)
+    def timed(self, rounds: int) -> "StageTimes":
+        """Timed (once more) in ``rounds`` interleaved rounds, each program's fastest time of all
+        its timings kept; the programs' arguments are freed when this returns."""
+        backward = {n: "forward" for n in self.flops if n.startswith("backward")}
+        t, flags = check_against_flops(self.build(), rounds, self.flops, backward, self.raw or None)
+        return replace(self, raw=t, flags=tuple(flags))
 
     @property
     def forward(self) -> float:
