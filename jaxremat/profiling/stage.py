@@ -247,7 +247,7 @@ def _with_loss(g: Callable, loss: Callable, params: Any, a_shape: Any, rest: Any
 def _from_residuals(pullback: Callable) -> Callable[..., Program]:
     """The backward as a program of its residuals and the cotangent: a function of the stage's
     concrete arguments ``(p, a, r, rng, cot)`` that returns it with concrete residuals, traced and
-    compiled once however often it is called (the profiler times each stage twice)."""
+    compiled once however often it is called (the profiler times each stage several times)."""
     program: Callable | None = None
 
     def make(p: Any, a: Any, r: Any, rng: Any, cot: Any) -> Program:

@@ -5,14 +5,14 @@ differences. Here every round calls each program (several times back to back whe
 in a new order, after a warm-up call of each, and the fastest round is kept. A backward measured
 far below what its flops say next to its forward is timed again with more rounds
 (:func:`check_against_flops`). A stage's rounds take a second or less, and a slow spell of the
-machine can outlast them all: the profiler times every stage a second time once all are measured
-(:class:`StageTimes`), and keeps the faster of the two.
+machine can outlast them all: the profiler times every stage three times once all are compiled,
+a pass over the stages apart, and keeps each program's middle time (:class:`StageTimes`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import jax
@@ -79,16 +79,12 @@ def suspect(fwd_time: float, bwd_time: float, fwd_flops: float, bwd_flops: float
 
 
 def check_against_flops(
-    programs: dict[str, Program], rounds: int, flops: dict[str, float], backward: dict[str, str],
-    earlier: dict[str, float] | None = None,
+    programs: dict[str, Program], rounds: int, flops: dict[str, float], backward: dict[str, str]
 ) -> tuple[dict[str, float], list[str]]:
-    """Interleaved times of ``programs`` (:func:`interleaved_times`), each at most its time in
-    ``earlier`` (an earlier timing of the same programs); every backward (``backward[name]`` is
-    its forward's name) measured far below its share of flops is timed again with four times the
-    rounds, and named in the returned flags if it still is."""
+    """Interleaved times of ``programs`` (:func:`interleaved_times`); every backward
+    (``backward[name]`` is its forward's name) measured far below its share of flops is timed
+    again with four times the rounds, and named in the returned flags if it still is."""
     t = interleaved_times(programs, rounds)
-    if earlier:
-        t = {n: min(v, earlier.get(n, v)) for n, v in t.items()}
     bad = [b for b, f in backward.items() if suspect(t[f], t[b], flops[f], flops[b])]
     flags: list[str] = []
     if bad:
@@ -135,34 +131,54 @@ def option_time(measured: float, bwd: float, fb: float) -> float:
 
 
 
+# How often the profiler times every stage (a pass over all the stages apart), each program's time
+# the middle one: see StageTimes.
+TIMINGS = 3
+
+
 @dataclass(frozen=True)
 class StageTimes:
     """A stage's programs (``"forward"``, ``"backward"``, ``"FB"`` and one ``"backward under
-    <policy>"`` per store option), their flops and, once :meth:`timed`, their times: each
-    program's fastest round over every timing (seconds per call).
+    <policy>"`` per store option), their flops and their timings (each program's fastest round).
 
-    The profiler compiles every stage first and then times each twice, a pass over all stages
-    apart (:func:`~jaxremat.profiling.profiler.profile_stages`). Timed right after its compile, as
-    it was, a stage came out slow in every round now and then: two profiles of a ResNet in one
-    process gave its stem and first block forwards and backwards 15-20% apart, an autoencoder's
-    convolution's backward 29% on another day; timed right after its compile and again once every
-    stage was, 3 of a ResNet's 14 stage timings (two profiles) were 20-26% slower the first time,
-    every program of the stage together. A stage's rounds fall within a second,
-    so a slow spell covers all of them and the fastest round cannot reject it; a second timing tens
-    of seconds later can.
+    The profiler compiles every stage first, then times each :data:`TIMINGS` times, a pass over
+    all the stages apart (:func:`~jaxremat.profiling.profiler.profile_stages`), and takes each
+    program's middle time. Timed once right after its compile, as it was, a stage came out slow
+    in every round now and then: two profiles of a ResNet in one process gave its stem and first
+    block forwards and backwards 15-20% apart, an autoencoder's convolution's backward 29% on
+    another day. Timed right after its compile and again once every stage was, 3 of a ResNet's
+    14 stage timings (two profiles) were 20-26% slower the first time, every program of the stage
+    together: a stage's rounds fall within a second, so a slow spell covers them all and the
+    fastest round cannot reject it. Timed twice once all were compiled, the two timings agreed
+    within 5% but for a few programs: the stem's backward under ``dots_saveable`` (0.4 ms) came
+    out 0.34 and 0.42 ms in one profile, and with the faster of two timings kept two profiles
+    put it 17% apart. The middle of three timings rejects one timing off either way.
     """
 
     build: Callable[[], dict[str, Program]]  # the programs, with fresh concrete arguments
     flops: dict[str, float]
-    raw: dict[str, float] = field(default_factory=dict)
-    flags: tuple[str, ...] = ()
+    runs: tuple[dict[str, float], ...] = ()  # each timing's times
 
     def timed(self, rounds: int) -> "StageTimes":
-        """Timed (once more) in ``rounds`` interleaved rounds, each program's fastest time of all
-        its timings kept; the programs' arguments are freed when this returns."""
+        """Timed once more, in ``rounds`` interleaved rounds; the programs' arguments are freed
+        when this returns."""
         backward = {n: "forward" for n in self.flops if n.startswith("backward")}
-        t, flags = check_against_flops(self.build(), rounds, self.flops, backward, self.raw or None)
-        return replace(self, raw=t, flags=tuple(flags))
+        t, _ = check_against_flops(self.build(), rounds, self.flops, backward)
+        return replace(self, runs=(*self.runs, t))
+
+    @property
+    def raw(self) -> dict[str, float]:
+        """Each program's time: the middle of its timings' (:data:`TIMINGS`) fastest rounds."""
+        return {n: float(np.median([t[n] for t in self.runs])) for n in self.runs[0]}
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The backwards whose time is still far below their flops' share (:func:`suspect`)."""
+        f, t = self.flops, self.raw
+        return tuple(
+            f"{b} time {1e3 * t[b]:.3g} ms is below {SUSPECT:.0%} of its flops' share next to forward"
+            for b in t if b.startswith("backward") and suspect(t["forward"], t[b], f["forward"], f[b])
+        )
 
     @property
     def forward(self) -> float:
@@ -183,4 +199,4 @@ class StageTimes:
         return option_time(self.raw[f"backward under {name}"], self.backward, self.fused)
 
 
-__all__ = ["StageTimes", "check_against_flops", "fused_time", "interleaved_times", "option_time", "suspect"]
+__all__ = ["TIMINGS", "StageTimes", "check_against_flops", "fused_time", "interleaved_times", "option_time", "suspect"]
