@@ -21,7 +21,7 @@ from jaxremat.profiling.stage import StageProfile, profile_stage, with_times
 from jaxremat.profiling.timing import TIMINGS, StageTimes
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-PROFILE_VERSION = 27  # 27: every stage timed three times once all are compiled, a pass apart, the middle kept; 26: the last stage's unread credit as far as its backward fused with the loss shows it (25: none); 24: unread, the output bytes a backward does not read; 23: a parameter gradient made from constants alone (an embedding's scattered gradient) is held; bytes an in-place write shares with its dying operand count once (22: a trial); 21: fb_reuse, what FB saves by writing over its incoming cotangent (20: a trial, not kept); 19: kernel copies count in xbar only where the executor does not order the kernel reads after the cotangent; 18: a measured option backward at most FB's time (where above the backward's); 17: copies of the step input kept by the first stage count in its xbar; 16: measured FB at most B's time plus the forward's scaled by the share of its flops FB runs; 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
+PROFILE_VERSION = 27  # 27: every stage timed four times once all are compiled, a pass apart, the fastest kept; 26: the last stage's unread credit as far as its backward fused with the loss shows it (25: none); 24: unread, the output bytes a backward does not read; 23: a parameter gradient made from constants alone (an embedding's scattered gradient) is held; bytes an in-place write shares with its dying operand count once (22: a trial); 21: fb_reuse, what FB saves by writing over its incoming cotangent (20: a trial, not kept); 19: kernel copies count in xbar only where the executor does not order the kernel reads after the cotangent; 18: a measured option backward at most FB's time (where above the backward's); 17: copies of the step input kept by the first stage count in its xbar; 16: measured FB at most B's time plus the forward's scaled by the share of its flops FB runs; 15: with a loss given, the last stage is measured fused with it; 14: copies of a kernel kept across the barrier count in xbar (stages that do not convolve); 13: a program's time is its fastest timing round (was the median); 12: each backward holds its stage's parameter gradient (the update step's temporary), a backward credits a write over the dying cotangent only; 11: timing rounds of 20 ms for short programs; 10: FB credits a write over the dying cotangent, repeated timing calls; 9: buffers made from constants alone (held for the step, not in xbar); 8: broadcasts of parameters kept across the barrier count in xbar, scan residuals per device; 7: a Repeat copy's FB at least Fall; B; 6: FB without the in-place credit; 5: store options, FB, backward timed from its residuals in interleaved rounds
 
 
 @contextlib.contextmanager
@@ -56,8 +56,8 @@ def profile_stages(
     barrier between each stage's forward and backward, ``fwd_tmp`` / ``bwd_tmp`` from the
     compiled temp memory of the stage's forward and of its backward, times from the fastest of
     ``repeats`` interleaved wall-clock rounds (``"measure"``: the forward, the backward from
-    its residuals, the two fused; every stage timed three times once all are compiled, a pass
-    over the stages apart, the middle time kept) or from the compiled flops and bytes against
+    its residuals, the two fused; every stage timed four times once all are compiled, a pass
+    over the stages apart, the fastest kept) or from the compiled flops and bytes against
     device rates (``"xla"``, deterministic given ``rates``; measured once by :func:`measure_rates` when not
     given). Each stage is also measured under every checkpoint policy of ``policies`` (its store
     options; by default ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``, see
@@ -121,8 +121,8 @@ def profile_stages(
             seen[key] = prof
             advance()
     # Every stage measured here timed TIMINGS times once all are compiled, a pass over the stages
-    # apart, each program's middle time kept: a slow spell of the machine can outlast all the
-    # rounds of one timing (right after a stage's compile most often), rarely two (StageTimes).
+    # apart, each program's fastest time kept: a slow spell of the machine can outlast all the
+    # rounds of one timing (right after a stage's compile most often), rarely all (StageTimes).
     with _progress(TIMINGS * len(timed), quiet, "timing stages") as advance:
         for _ in range(TIMINGS):
             for key, timer in timed.items():

@@ -5,8 +5,8 @@ differences. Here every round calls each program (several times back to back whe
 in a new order, after a warm-up call of each, and the fastest round is kept. A backward measured
 far below what its flops say next to its forward is timed again with more rounds
 (:func:`check_against_flops`). A stage's rounds take a second or less, and a slow spell of the
-machine can outlast them all: the profiler times every stage three times once all are compiled,
-a pass over the stages apart, and keeps each program's middle time (:class:`StageTimes`).
+machine can outlast them all: the profiler times every stage :data:`TIMINGS` times once all are
+compiled, a pass over the stages apart, and keeps each program's fastest (:class:`StageTimes`).
 """
 
 from __future__ import annotations
@@ -131,9 +131,9 @@ def option_time(measured: float, bwd: float, fb: float) -> float:
 
 
 
-# How often the profiler times every stage (a pass over all the stages apart), each program's time
-# the middle one: see StageTimes.
-TIMINGS = 3
+# How often the profiler times every stage, a pass over all the stages apart; each program's time
+# is its fastest over all (see StageTimes).
+TIMINGS = 4
 
 
 @dataclass(frozen=True)
@@ -142,17 +142,19 @@ class StageTimes:
     <policy>"`` per store option), their flops and their timings (each program's fastest round).
 
     The profiler compiles every stage first, then times each :data:`TIMINGS` times, a pass over
-    all the stages apart (:func:`~jaxremat.profiling.profiler.profile_stages`), and takes each
-    program's middle time. Timed once right after its compile, as it was, a stage came out slow
+    all the stages apart (:func:`~jaxremat.profiling.profiler.profile_stages`), and keeps each
+    program's fastest time. Timed once right after its compile, as it was, a stage came out slow
     in every round now and then: two profiles of a ResNet in one process gave its stem and first
     block forwards and backwards 15-20% apart, an autoencoder's convolution's backward 29% on
     another day. Timed right after its compile and again once every stage was, 3 of a ResNet's
     14 stage timings (two profiles) were 20-26% slower the first time, every program of the stage
-    together: a stage's rounds fall within a second, so a slow spell covers them all and the
-    fastest round cannot reject it. Timed twice once all were compiled, the two timings agreed
-    within 5% but for a few programs: the stem's backward under ``dots_saveable`` (0.4 ms) came
-    out 0.34 and 0.42 ms in one profile, and with the faster of two timings kept two profiles
-    put it 17% apart. The middle of three timings rejects one timing off either way.
+    together: a stage's rounds fall within a second, and a slow spell covers them all.
+
+    Slow spells on this 2-core VM last seconds to tens of seconds: a convolution and its gradient
+    timed in 5 rounds every second or so for 150 s had their fastest round vary 1.6-1.9x, and the
+    middle of three such timings differed from the next three's by more than 15% in 8-25% of the
+    pairs; the fastest of two timings in 4-13%, of three in 6%, of four in none (at most 13%,
+    3-4% on average). Noise only adds time, so the fastest of all the timings is kept.
     """
 
     build: Callable[[], dict[str, Program]]  # the programs, with fresh concrete arguments
@@ -168,8 +170,8 @@ class StageTimes:
 
     @property
     def raw(self) -> dict[str, float]:
-        """Each program's time: the middle of its timings' (:data:`TIMINGS`) fastest rounds."""
-        return {n: float(np.median([t[n] for t in self.runs])) for n in self.runs[0]}
+        """Each program's time: the fastest round of all its timings."""
+        return {n: min(t[n] for t in self.runs) for n in self.runs[0]}
 
     @property
     def flags(self) -> tuple[str, ...]:
