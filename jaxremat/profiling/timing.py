@@ -151,10 +151,12 @@ class StageTimes:
     together: a stage's rounds fall within a second, and a slow spell covers them all.
 
     Slow spells on this 2-core VM last seconds to tens of seconds: a convolution and its gradient
-    timed in 5 rounds every second or so for 150 s had their fastest round vary 1.6-1.9x, and the
-    middle of three such timings differed from the next three's by more than 15% in 8-25% of the
-    pairs; the fastest of two timings in 4-13%, of three in 6%, of four in none (at most 13%,
-    3-4% on average). Noise only adds time, so the fastest of all the timings is kept.
+    timed in 5 rounds about every second for 150 s (``python benchmarks/timing_noise.py``, two
+    runs) had their fastest round vary 1.5-1.9x. Split into groups of k timings, as k timings of
+    one profile, a group's fastest time differed from the next group's by more than 15% in 0-7%
+    of the pairs for k = 4 (mean 3-5%), 5-8% for k = 3, and 18% for one timing alone; the middle
+    timing of a group did worse (4-15% for k = 4). Noise only adds time, so the fastest of all
+    the timings is kept.
     """
 
     build: Callable[[], dict[str, Program]]  # the programs, with fresh concrete arguments
