@@ -58,11 +58,12 @@ def profile_stages(
     ``repeats`` interleaved wall-clock rounds (``"measure"``: the forward, the backward from
     its residuals, the two fused; every stage timed four times once all are compiled, a pass
     over the stages apart, the fastest kept) or from the compiled flops and bytes against
-    device rates (``"xla"``, deterministic given ``rates``; measured once by :func:`measure_rates` when not
-    given). Each stage is also measured under every checkpoint policy of ``policies`` (its store
-    options; by default ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``, see
-    :mod:`jaxremat.core.policies`; ``()`` for none), options no better than another of the same
-    stage dropped, and as ``FB`` (its forward fused with its backward).
+    device rates (``"xla"``, deterministic given ``rates``; measured once by
+    :func:`measure_rates` when not given). Each stage is also measured under every checkpoint
+    policy of ``policies`` (its store options; by default ``dots_saveable`` and
+    ``dots_with_no_batch_dims_saveable``, see :mod:`jaxremat.core.policies`; ``()`` for none),
+    options no better than another of the same stage dropped, and as ``FB`` (its forward fused
+    with its backward).
 
     ``loss``: the loss your training step applies to the chain's output (``loss(output) ->
     scalar``). XLA fuses it with the last stage's forward and backward, and the last stage's

@@ -78,6 +78,11 @@ def suspect(fwd_time: float, bwd_time: float, fwd_flops: float, bwd_flops: float
     return bwd_time < SUSPECT * fwd_time * (bwd_flops / fwd_flops)
 
 
+def _low(backward: str, seconds: float, forward: str) -> str:
+    """The flag of a backward timed far below its share of flops."""
+    return f"{backward} time {1e3 * seconds:.3g} ms is below {SUSPECT:.0%} of its flops' share next to {forward}"
+
+
 def check_against_flops(
     programs: dict[str, Program], rounds: int, flops: dict[str, float], backward: dict[str, str]
 ) -> tuple[dict[str, float], list[str]]:
@@ -89,11 +94,8 @@ def check_against_flops(
     flags: list[str] = []
     if bad:
         again = interleaved_times({n: programs[n] for n in {*bad, *(backward[b] for b in bad)}}, 4 * rounds, seed=1)
-        t.update({n: min(v, t[n]) for n, v in again.items()})
-        flags = [
-            f"{b} time {1e3 * t[b]:.3g} ms is below {SUSPECT:.0%} of its flops' share next to {backward[b]}"
-            for b in bad if suspect(t[backward[b]], t[b], flops[backward[b]], flops[b])
-        ]
+        t.update(again)
+        flags = [_low(b, t[b], backward[b]) for b in bad if suspect(t[backward[b]], t[b], flops[backward[b]], flops[b])]
     return t, flags
 
 
@@ -179,10 +181,8 @@ class StageTimes:
     def flags(self) -> tuple[str, ...]:
         """The backwards whose time is still far below their flops' share (:func:`suspect`)."""
         f, t = self.flops, self.raw
-        return tuple(
-            f"{b} time {1e3 * t[b]:.3g} ms is below {SUSPECT:.0%} of its flops' share next to forward"
-            for b in t if b.startswith("backward") and suspect(t["forward"], t[b], f["forward"], f[b])
-        )
+        low = [b for b in t if b.startswith("backward") and suspect(t["forward"], t[b], f["forward"], f[b])]
+        return tuple(_low(b, t[b], "forward") for b in low)
 
     @property
     def forward(self) -> float:
