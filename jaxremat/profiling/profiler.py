@@ -90,7 +90,7 @@ def profile_stages(
     check_loss(loss)
     last = len(chain) - 1
     seen: dict[str, StageProfile] = {}  # identical stages are measured once
-    timed: dict[str, StageTimes] = {}  # the stages measured here, to be timed again
+    timed: dict[str, StageTimes] = {}  # the stages measured here, to be timed once all are compiled
     keys: list[str] = []
     with _progress(len(chain), quiet) as advance:
         for i, (st, v) in enumerate(zip(chain.stages, per_stage)):
@@ -115,10 +115,10 @@ def profile_stages(
                     st, v, shapes[i], method=method, rates=rates, repeats=repeats, input_grad=i > 0, scanned=scanned[i],
                     policies=measured, loss=loss if i == last else None,
                 )
-                if timer is None and use_disk and st.key:
-                    disk_cache.store(key, dataclasses.asdict(prof))
-                if timer is not None:
+                if timer is not None:  # stored once timed
                     timed[key] = timer
+                elif use_disk and st.key:
+                    disk_cache.store(key, dataclasses.asdict(prof))
             seen[key] = prof
             advance()
     # Every stage measured here timed TIMINGS times once all are compiled, a pass over the stages
@@ -129,9 +129,10 @@ def profile_stages(
             for key, timer in timed.items():
                 timed[key] = timer.timed(repeats)
                 advance()
+    cacheable = {k for k, st in zip(keys, chain.stages) if use_disk and st.key}
     for key, timer in timed.items():
         seen[key] = with_times(seen[key], timer)
-        if use_disk and any(k == key and st.key for k, st in zip(keys, chain.stages)):
+        if key in cacheable:
             disk_cache.store(key, dataclasses.asdict(seen[key]))
     stages = [dataclasses.replace(seen[k], name=st.name, kind=st.kind) for k, st in zip(keys, chain.stages)]
     if loss is None:  # the loss reads the last stage's output, fused with it: no credit unmeasured
