@@ -154,7 +154,7 @@ class StageTimes:
 
     Slow spells on this 2-core VM last seconds to tens of seconds: a convolution and its gradient
     timed in 5 rounds about every second for 150 s (``python benchmarks/timing_noise.py``, two
-    runs) had their fastest round vary 1.5-1.9x. Split into groups of k timings, as k timings of
+    runs) had their fastest round vary 1.5-1.95x. Split into groups of k timings, as k timings of
     one profile, a group's fastest time differed from the next group's by more than 15% in 0-7%
     of the pairs for k = 4 (mean 3-5%), 5-8% for k = 3, and 18% for one timing alone; the middle
     timing of a group did worse (4-15% for k = 4). Noise only adds time, so the fastest of all
