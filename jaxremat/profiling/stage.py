@@ -322,7 +322,6 @@ def profile_stage(
     bf, bb = _cost(bwd_c)
     fbf, fbb = _cost(fb_c)
     costs = {name: _cost(o[1]) for name, o in opts.items()}
-    flags: list[str] = []
     timer = None
     if method == "xla":
         assert rates is not None
@@ -375,7 +374,6 @@ def profile_stage(
         options=tuple(
             OptionProfile(name, o[0], o[2], costs[name][0], costs[name][1], opt_t[name], o[4]) for name, o in opts.items()
         ),
-        flags=tuple(flags),
     )
     return prof, timer
 

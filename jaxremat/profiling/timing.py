@@ -78,25 +78,17 @@ def suspect(fwd_time: float, bwd_time: float, fwd_flops: float, bwd_flops: float
     return bwd_time < SUSPECT * fwd_time * (bwd_flops / fwd_flops)
 
 
-def _low(backward: str, seconds: float, forward: str) -> str:
-    """The flag of a backward timed far below its share of flops."""
-    return f"{backward} time {1e3 * seconds:.3g} ms is below {SUSPECT:.0%} of its flops' share next to {forward}"
-
-
 def check_against_flops(
     programs: dict[str, Program], rounds: int, flops: dict[str, float], backward: dict[str, str]
-) -> tuple[dict[str, float], list[str]]:
+) -> dict[str, float]:
     """Interleaved times of ``programs`` (:func:`interleaved_times`); every backward
     (``backward[name]`` is its forward's name) measured far below its share of flops is timed
-    again with four times the rounds, and named in the returned flags if it still is."""
+    again with four times the rounds (:attr:`StageTimes.flags` names those still low)."""
     t = interleaved_times(programs, rounds)
     bad = [b for b, f in backward.items() if suspect(t[f], t[b], flops[f], flops[b])]
-    flags: list[str] = []
     if bad:
-        again = interleaved_times({n: programs[n] for n in {*bad, *(backward[b] for b in bad)}}, 4 * rounds, seed=1)
-        t.update(again)
-        flags = [_low(b, t[b], backward[b]) for b in bad if suspect(t[backward[b]], t[b], flops[backward[b]], flops[b])]
-    return t, flags
+        t.update(interleaved_times({n: programs[n] for n in {*bad, *(backward[b] for b in bad)}}, 4 * rounds, seed=1))
+    return t
 
 
 def fused_time(fb: float, fwd: float, bwd: float, fb_flops: float, fwd_flops: float, bwd_flops: float) -> float:
@@ -169,7 +161,7 @@ class StageTimes:
         """Timed once more, in ``rounds`` interleaved rounds; the programs' arguments are freed
         when this returns."""
         backward = {n: "forward" for n in self.flops if n.startswith("backward")}
-        t, _ = check_against_flops(self.build(), rounds, self.flops, backward)
+        t = check_against_flops(self.build(), rounds, self.flops, backward)
         return replace(self, runs=(*self.runs, t))
 
     @property
@@ -182,7 +174,8 @@ class StageTimes:
         """The backwards whose time is still far below their flops' share (:func:`suspect`)."""
         f, t = self.flops, self.raw
         low = [b for b in t if b.startswith("backward") and suspect(t["forward"], t[b], f["forward"], f[b])]
-        return tuple(_low(b, t[b], "forward") for b in low)
+        share = f"is below {SUSPECT:.0%} of its flops' share next to forward"
+        return tuple(f"{b} time {1e3 * t[b]:.3g} ms {share}" for b in low)
 
     @property
     def forward(self) -> float:
