@@ -10,29 +10,29 @@ from jaxremat.api.planner import Planner, plan_options
 from jaxremat.api.plans import Plan
 from jaxremat.core.budgets import Budget
 from jaxremat.model.chain import Chain
-from jaxremat.model.nnx import nnx_state
+from jaxremat.model.nnx import layer_list, nnx_state
 from jaxremat.run.executor import execute
 
 
 class RematSequential(nnx.Module):
-    """An ``nnx.Sequential`` (or list of NNX modules) whose gradient follows a planned schedule.
+    """An ``nnx.Sequential`` (or an ``nnx.List`` or list of NNX modules) whose gradient follows a planned schedule.
 
     Call it like the wrapped model; ``nnx.grad`` / ``nnx.value_and_grad`` and ``nnx.Optimizer``
     see the same parameters (``model.layers``). Batch statistics and RNG counters are updated
     once per call, as without remat. Profiled and planned on the first call with concrete shapes
     (also under ``nnx.jit``), re-profiled when input shapes change. Options as for
-    :class:`~jaxremat.RematChain`: ``algorithm``, ``method``, ``slots``, ``calibrate``,
-    ``max_period``, ``plan``.
+    :class:`~jaxremat.RematChain` (:class:`~jaxremat.api.plans.PlanOptions`: ``algorithm``,
+    ``method``, ``slots``, ``calibrate``, ``max_period``, ``policies``, ``bandwidth``, ``loss``,
+    ``verify``), and ``plan``.
     """
 
     def __init__(self, model: Any, budget: Budget, *, plan: Plan | None = None, **options: Any):
-        if isinstance(model, nnx.Sequential):
-            layers = list(model.layers)
-        elif isinstance(model, (list, tuple)) and model:
-            layers = list(model)
-        else:
+        layers = layer_list(model)
+        if not layers:
+            what = "an empty one" if layers is not None else type(model).__name__
             raise ValueError(
-                f"remat_nnx expects an nnx.Sequential or a non-empty list of NNX modules, got {type(model).__name__}"
+                f"remat_nnx expects an nnx.Sequential, an nnx.List or a non-empty list of NNX modules, got {what}; "
+                "for a model whose __call__ runs its layers itself, plan its loss with jaxremat.remat"
             )
         self.layers = nnx.List(layers)
         # built once: a stage keeps its layer's graph definition and reads its state per call
@@ -61,10 +61,11 @@ class RematSequential(nnx.Module):
 
 
 def remat_nnx(budget: Budget, **options: Any) -> Callable[[Any], RematSequential]:
-    """Wrap an ``nnx.Sequential`` (or a list of NNX modules) to train under ``budget``:
-    ``model = jaxremat.remat_nnx("40%")(nnx.Sequential(...))``. Options as for
-    :func:`jaxremat.remat_chain` (``algorithm``, ``method``, ``slots``, ``calibrate``,
-    ``max_period``, ``plan``)."""
+    """Wrap an ``nnx.Sequential`` (or an ``nnx.List`` or list of NNX modules) to train under
+    ``budget``: ``model = jaxremat.remat_nnx("40%")(nnx.Sequential(...))``. Options as for
+    :func:`jaxremat.remat_chain` (:class:`~jaxremat.api.plans.PlanOptions`: ``algorithm``,
+    ``method``, ``slots``, ``calibrate``, ``max_period``, ``policies``, ``bandwidth``, ``loss``,
+    ``verify``), and ``plan``."""
     plan_options(**{k: v for k, v in options.items() if k != "plan"})  # fail now on a bad option
 
     def wrap(model: Any) -> RematSequential:

@@ -70,11 +70,11 @@ def plan_options(method: str | None = None, profile: str | None = None, **option
             raise ValueError(f"method={method!r} and profile={profile!r} disagree; give method= only")
         method = profile
     unknown = sorted(set(options) - {"algorithm", "slots", "calibrate", "max_period", "policies", "bandwidth",
-                                     "loss", "profile_options"})
+                                     "loss", "verify", "profile_options"})
     if unknown:
         raise TypeError(
             f"unknown option(s) {', '.join(unknown)}; the options are algorithm, method, slots, calibrate, max_period, "
-            "policies, bandwidth, loss"
+            "policies, bandwidth, loss, verify"
         )
     return PlanOptions(method=method or "measure", **options)
 
@@ -128,7 +128,8 @@ def plan(
             "peak); only a model from jaxremat.remat_chain(budget) has its own"
         )
     chain = model if isinstance(model, Chain) else Chain.from_linen(model)
-    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "loss", "profile"}
+    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "loss", "verify",
+             "profile"}
     profile_options = {k: v for k, v in options.items() if k not in known}
     return make_plan(
         chain, variables, sample, budget,

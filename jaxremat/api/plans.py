@@ -11,8 +11,9 @@ from typing import Any, Callable, Mapping
 import jax
 
 from jaxremat.api import _loop_plans
-from jaxremat.api.calibrate import calibrated_solve, step_temp
-from jaxremat.core.budgets import Budget
+from jaxremat.api.calibrate import calibrated_solve, compile_schedule_step, step_temp
+from jaxremat.api.verify import Measured, Verification, verify
+from jaxremat.core.budgets import Budget, parse_budget
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.loops import MAX_PERIOD
 from jaxremat.core.policies import Policies, Policy, policies_of
@@ -57,6 +58,9 @@ class PlanOptions:
         cached) and is an error on the CPU, where nothing moves.
       loss: the loss your step applies to the model's output (``loss(output) -> scalar``); the
         last stage is then profiled fused with it, as XLA runs it (:func:`jaxremat.profile`).
+      verify: compile the step under the plan before it is used and read XLA's memory; over the
+        budget, correct and plan again until it fits (:mod:`jaxremat.api.verify`). ``False``
+        trusts the cost model (no extra compiles).
     """
 
     algorithm: str = "optimal"
@@ -66,6 +70,7 @@ class PlanOptions:
     max_period: int = MAX_PERIOD
     policies: Policies = None
     bandwidth: BandwidthLike | None = None
+    verify: bool = True
     loss: Callable[[Any], Any] | None = field(default=None, compare=False)
     profile_options: dict = field(default_factory=dict, compare=False)
 
@@ -91,6 +96,8 @@ class PlanOptions:
         if self.calibrate and name in OFFLOAD_ALGORITHMS:
             raise ValueError("calibrate=True measures memory on this machine; it does not plan offloading yet: "
                              "calibrate a remat-only plan, or leave calibrate out")
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be True or False, got {self.verify!r}")
         if self.method not in ("measure", "xla"):
             raise ValueError(f"method must be 'measure' or 'xla', got {self.method!r}")
         if isinstance(self.max_period, bool) or not isinstance(self.max_period, int) or self.max_period < 1:
@@ -105,6 +112,7 @@ class Plan:
 
     schedule: Schedule
     signature: str
+    verification: Verification | None = field(default=None, compare=False)
 
     @property
     def costs(self) -> ChainCosts:
@@ -120,8 +128,17 @@ class Plan:
         """Predicted step time over the store-all time."""
         return self.schedule.overhead
 
+    @property
+    def measured_peak(self) -> int | None:
+        """XLA's peak of the step under this plan, as :meth:`predicted_peak` counts it (``None``
+        for a plan not verified)."""
+        return None if self.verification is None else self.verification.measured_peak
+
     def report(self) -> str:
-        return self.schedule.summary()
+        lines = [self.schedule.summary()]
+        if self.verification is not None:
+            lines += self.verification.lines()
+        return "\n".join(lines)
 
     def check(self, chain: Chain, variables: Any, sample: Any) -> None:
         """``ValueError`` unless this plan was made for this chain, variables and input shape."""
@@ -176,10 +193,15 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def make_plan(
-    chain: Chain, variables: Any, sample: Any, budget: Budget, options: PlanOptions, costs: ChainCosts | None = None
+    chain: Chain, variables: Any, sample: Any, budget: Budget, options: PlanOptions, costs: ChainCosts | None = None,
+    *, verified: bool = True,
 ) -> Plan:
     """Profile ``chain`` (unless ``costs`` are given) and solve for ``budget`` under ``options``
-    (what :func:`jaxremat.plan` does for a :class:`~jaxremat.Chain`)."""
+    (what :func:`jaxremat.plan` does for a :class:`~jaxremat.Chain`). With ``options.verify``
+    (and ``verified``: the caller verifies itself when ``False``), a remat plan is compiled and
+    checked by XLA before it is returned (:func:`~jaxremat.api.verify.verify`); ``Repeat``
+    loops, offloading (which the CPU cannot measure) and ``calibrate=True`` (measured already)
+    are not."""
     if costs is None:
         costs = profile(chain, variables, sample, method=options.method, policies=options.policies, loss=options.loss,
                         **options.profile_options)
@@ -203,7 +225,26 @@ def make_plan(
             schedule = solve(costs, budget, algorithm=o.algorithm, slots=o.slots, bandwidth=bandwidth)
         else:
             schedule = solve(costs, budget, algorithm=o.algorithm, slots=o.slots)
+            if o.verify and verified:
+                target = None if budget is None else parse_budget(budget, costs)
+                schedule, found = verify(costs, target, schedule, chain_measure(chain, variables, sample, o.named_policies),
+                                         algorithm=o.algorithm, slots=o.slots)
+                return Plan(schedule, signature(chain, variables, sample), found)
     return Plan(schedule, signature(chain, variables, sample))
+
+
+def chain_measure(chain: Chain, variables: Any, sample: Any, policies: Any = None) -> Callable[[Schedule], Measured]:
+    """``measure(schedule)`` for :func:`~jaxremat.api.verify.verify`: the update step of
+    ``chain`` under the schedule (:func:`~jaxremat.api.calibrate.compile_schedule_step`), its
+    temp plus the input ``a_0`` (an argument of the step, which the plan counts)."""
+    def measure(schedule: Schedule) -> Measured:
+        compiled = compile_schedule_step(chain, variables, sample, schedule, policies)
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        temp = int(compiled.memory_analysis().temp_size_in_bytes)
+        return Measured(temp + int(schedule.costs.x[0]), float((cost or {}).get("flops", 0.0)))
+
+    return measure
 
 
 __all__ = ["FORMAT", "READS", "VERSION", "Plan", "PlanOptions", "load_plan", "make_plan", "signature"]

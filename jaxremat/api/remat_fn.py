@@ -12,16 +12,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
+from jaxremat.api.calibrate import measured_loss, measured_optimizer
 from jaxremat.api.planner import plan_options, warn_if_global
 from jaxremat.api.plans import Plan, PlanOptions, make_plan
-from jaxremat.core.budgets import Budget
+from jaxremat.api.verify import Measured, verify
+from jaxremat.core.budgets import Budget, parse_budget
+from jaxremat.core.compile import as_planned, compiler_options
 from jaxremat.core.costs import ChainCosts, Shared
+from jaxremat.core.schedule import Schedule
 from jaxremat.core.units import format_bytes
+from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical
 from jaxremat.model.identity import leaf_signature
 from jaxremat.model.jaxpr_chain import MAX_STAGES, JaxprChain, find_cuts, trace
 from jaxremat.model.trees import abstract
@@ -29,6 +36,15 @@ from jaxremat.profiling.profiler import profile
 from jaxremat.run.executor import execute
 
 _UNSET: Any = object()
+#: Keywords of :func:`jaxremat.profile` that ``remat`` passes on.
+PROFILE_KEYWORDS = ("rates", "repeats", "cache", "quiet")
+
+
+def is_dynamic(leaf: Any) -> bool:
+    """Whether an input leaf is traced into the jaxpr (an array, a NumPy scalar or a traced
+    value); anything else (a Python number, a bool, a callable, a string) is static and passed
+    to the function as it is, as ``equinox.filter_jit`` does."""
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
 
 
 @dataclasses.dataclass
@@ -39,6 +55,60 @@ class _Prepared:
     plan: Plan
     in_tree: Any
     out_tree: Any
+    dynamic: tuple[int, ...]  # positions of the leaves traced into the jaxpr
+
+
+def step_loss(out: Sequence[Any]) -> jax.Array:
+    """The scalar the verification step differentiates: the function's first output leaf where
+    that is a float scalar (a loss, or ``(loss, aux)`` as with ``has_aux``), else
+    :func:`~jaxremat.api.calibrate.measured_loss` of its float outputs."""
+    floats = [o for o in out if jnp.issubdtype(jnp.result_type(o), jnp.inexact)]
+    if out and jnp.ndim(out[0]) == 0 and floats and floats[0] is out[0]:
+        return out[0].astype(jnp.float32)
+    return measured_loss(floats)
+
+
+def step_measure(
+    traced: JaxprChain, flat: Sequence[Any], first: int, policies: Any = None
+) -> Callable[[Schedule], Measured]:
+    """``measure(schedule)``: XLA's temp bytes and flops of the training step under
+    ``schedule``, compiled as users compile it (:func:`~jaxremat.compiler_options`): the
+    gradient of :func:`step_loss` with respect to the float leaves of the first argument (the
+    parameters, as ``jax.grad``'s default ``argnums=0`` takes them; every float input if it has
+    none), the first ``first`` of ``flat``, consumed by an Adam update with the parameters and
+    its state donated, so no gradient is an output (the step whose memory the profile counts,
+    :func:`~jaxremat.api.calibrate.update_step`)."""
+    floats = [n for n, s in enumerate(flat) if jnp.issubdtype(s.dtype, jnp.inexact)]
+    diff = [n for n in floats if n < first] or floats
+    other = [n for n in range(len(flat)) if n not in diff]
+    opt = measured_optimizer()
+
+    def measure(schedule: Schedule) -> Measured:
+        forward = execute(traced.chain, schedule, policies=policies)
+
+        def loss(d: list, o: list) -> jax.Array:
+            leaves: list = [None] * len(flat)
+            for n, v in zip(diff, d):
+                leaves[n] = v
+            for n, v in zip(other, o):
+                leaves[n] = v
+            out, _ = forward(traced.variables(leaves), ())
+            return step_loss(list(out))
+
+        def step(d: list, state: Any, o: list) -> tuple:
+            value, g = jax.value_and_grad(loss)(d, o)
+            updates, state = opt.update(g, state, d)
+            return value, optax.apply_updates(d, updates), state
+
+        shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in flat]
+        d, o = [shapes[n] for n in diff], [shapes[n] for n in other]
+        state = jax.eval_shape(opt.init, d)
+        compiled = jax.jit(as_planned(step), donate_argnums=(0, 1)).lower(d, state, o).compile(compiler_options() or None)
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        return Measured(int(compiled.memory_analysis().temp_size_in_bytes), float((cost or {}).get("flops", 0.0)))
+
+    return measure
 
 
 def with_shared(costs: ChainCosts, traced: JaxprChain) -> ChainCosts:
@@ -76,15 +146,26 @@ class RematFunction:
         return RematFunction(self.fun, budget, self.stages, self.max_stages, self.options, self._costs)
 
     def _prepare(self, args: tuple) -> _Prepared:
-        key = json.dumps([leaf_signature(args), str(jax.tree.structure(args)), str(self.stages)])
+        leaves, tree = jax.tree.flatten(args)
+        dynamic = tuple(n for n, leaf in enumerate(leaves) if is_dynamic(leaf))
+        static = {n: leaf for n, leaf in enumerate(leaves) if n not in dynamic}
+        key = json.dumps([leaf_signature([leaves[n] for n in dynamic]), dynamic, str(tree), str(self.stages),
+                          repr(sorted(static.items()))])
         if key in self._prepared:
             return self._prepared[key]
         warn_if_global(args)
+
+        def fun(*dyn: Any) -> Any:  # the function of the traced leaves, the static ones fixed
+            full = [static[n] if n in static else None for n in range(len(leaves))]
+            for n, v in zip(dynamic, dyn):
+                full[n] = v
+            return self.fun(*jax.tree.unflatten(tree, full))
+
         with jax.ensure_compile_time_eval():  # may run while the caller's step is traced
-            closed, in_tree, out_tree = trace(self.fun, args)
-            flat = [abstract(x) if hasattr(x, "dtype") else jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
-                    for x in jax.tree.leaves(args)]
-            if not any(jax.numpy.issubdtype(s.dtype, jax.numpy.inexact) for s in flat):
+            dyn = tuple(leaves[n] for n in dynamic)
+            closed, in_tree, out_tree = trace(fun, dyn)
+            flat = [abstract(x) for x in dyn]
+            if not any(jnp.issubdtype(s.dtype, jnp.inexact) for s in flat):
                 raise TypeError(
                     "jaxremat.remat: the function has no input that can carry a gradient (no float arrays); "
                     "remat plans what a gradient keeps, so give it the parameters or data to differentiate"
@@ -99,16 +180,35 @@ class RematFunction:
                 x[0] = traced.context_bytes  # held for the whole step, as a_0 is
                 costs = with_shared(dataclasses.replace(costs, x=x), traced)
                 self._costs[key] = costs
-            plan = make_plan(traced.chain, variables, (), self.budget, self.options, costs)
+            plan = make_plan(traced.chain, variables, (), self.budget, self.options, costs, verified=False)
+            # the first argument's traced leaves: what the verification step differentiates
+            first = sum(1 for n in dynamic if n < len(jax.tree.leaves(args[0]))) if args else 0
+            plan = self._verified(plan, traced, flat, first)
         note = (
             f"{traced.cuts.count} stages cut by {traced.cuts.how}; held for the whole step: "
             f"{format_bytes(traced.context_bytes)} of values without a gradient (masks, positions)"
         )
+        if static:
+            note += f"; {len(static)} static input leaves (not arrays) passed through as they are"
+        if traced.user_remat:
+            names = ", ".join(traced.chain.stages[k].name for k in traced.user_remat)
+            note += f"; your own jax.checkpoint / nn.remat kept as written inside stage(s) {names}"
         sched = plan.schedule
-        plan = Plan(dataclasses.replace(sched, note=f"{sched.note}; {note}" if sched.note else note), plan.signature)
-        found = _Prepared(traced, plan, in_tree, out_tree)
+        plan = dataclasses.replace(plan, schedule=dataclasses.replace(sched, note=f"{sched.note}; {note}" if sched.note else note))
+        found = _Prepared(traced, plan, in_tree, out_tree, dynamic)
         self._prepared[key] = found
         return found
+
+    def _verified(self, plan: Plan, traced: JaxprChain, flat: list, first: int) -> Plan:
+        """``plan`` checked by XLA (:func:`~jaxremat.api.verify.verify`), corrected if over."""
+        o = self.options
+        if not o.verify or o.calibrate or canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
+            return plan
+        costs = plan.costs
+        target = None if self.budget is None else parse_budget(self.budget, costs)
+        sched, found = verify(costs, target, plan.schedule, step_measure(traced, flat, first, o.named_policies),
+                              algorithm=o.algorithm, slots=o.slots)
+        return Plan(sched, plan.signature, found)
 
     def plan(self, *args: Any) -> Plan:
         """The plan for inputs shaped like ``args`` (made now if needed)."""
@@ -116,7 +216,8 @@ class RematFunction:
 
     def __call__(self, *args: Any) -> Any:
         prepared = self._prepare(args)
-        variables = prepared.traced.variables(jax.tree.leaves(args))
+        leaves = jax.tree.leaves(args)
+        variables = prepared.traced.variables([leaves[n] for n in prepared.dynamic])
         forward = execute(prepared.traced.chain, prepared.plan.schedule, policies=self.options.named_policies)
         out, _ = forward(variables, ())
         return jax.tree.unflatten(prepared.out_tree, list(out))
@@ -150,7 +251,13 @@ def remat(fun: Any = None, budget: Budget = _UNSET, *, stages: Any = "auto", max
         fun, budget = None, fun
     if budget is _UNSET:
         raise TypeError("jaxremat.remat needs a budget: bytes, '512MiB', '40%', or None for the store-all peak")
-    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "profile"}
+    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "verify", "profile"}
+    unknown = sorted(set(options) - known - set(PROFILE_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"jaxremat.remat: unknown option(s) {', '.join(unknown)}; the options are {', '.join(sorted(known - {'profile'}))}, "
+            f"and for the profiler {', '.join(PROFILE_KEYWORDS)}"
+        )
     opts = plan_options(**{k: v for k, v in options.items() if k in known},
                         profile_options={k: v for k, v in options.items() if k not in known})
     if opts.calibrate:

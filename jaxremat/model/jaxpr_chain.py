@@ -25,6 +25,7 @@ An equation with sub-jaxprs (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``,
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -37,9 +38,11 @@ from jax.extend import core as jcore
 from jaxremat.model.chain import Chain
 from jaxremat.model.identity import function_key
 from jaxremat.model.stage import Stage
+from jaxremat.model.trees import itemsize
 
 CONTRACTIONS = ("dot_general", "conv_general_dilated")
 MAX_STAGES = 48
+REMAT_PRIMITIVES = ("checkpoint", "remat2", "remat")  # jax.checkpoint's primitive, by jax version
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class Cuts:
 
 def _nbytes(v: Any) -> int:
     aval = v.aval
-    return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize if hasattr(aval, "shape") else 0
+    return int(np.prod(aval.shape)) * itemsize(aval.dtype) if hasattr(aval, "shape") else 0
 
 
 def _is_var(v: Any) -> bool:
@@ -98,12 +101,56 @@ def _from_keys(keys: Sequence[Any], n_eqns: int, how: str) -> Cuts | None:
     return Cuts(bounds, how, tuple("/".join(k) if isinstance(k, tuple) else str(k) for _, k in runs))
 
 
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+    """The jaxprs inside ``eqn`` (a ``checkpoint``'s, a ``pjit``'s, a ``scan``'s body ...)."""
+    found = []
+    for v in eqn.params.values():
+        for x in v if isinstance(v, (list, tuple)) else (v,):
+            j = getattr(x, "jaxpr", x)
+            if hasattr(j, "eqns"):
+                found.append(j)
+    return found
+
+
+def _inner_path(eqn: Any) -> list[str]:
+    """The module path the equations inside ``eqn`` share (a user's ``nn.remat`` block is one
+    ``checkpoint`` equation at its parent's scope; inside, its own path): ``[]`` if none."""
+    paths = [[p for p in _stack(e).split("/") if p] for j in _sub_jaxprs(eqn) for e in j.eqns]
+    paths = [p for p in paths if p]
+    if not paths:
+        return []
+    common = paths[0]
+    for p in paths[1:]:
+        n = 0
+        while n < min(len(common), len(p)) and common[n] == p[n]:
+            n += 1
+        common = common[:n]
+    return common
+
+
+def _heavy(eqn: Any) -> bool:
+    """A contraction, or an equation holding one (a user's ``jax.checkpoint``, a ``jit``)."""
+    if eqn.primitive.name in CONTRACTIONS:
+        return True
+    return any(_heavy(e) for j in _sub_jaxprs(eqn) for e in j.eqns)
+
+
 def scope_cuts(eqns: Sequence[Any], depth: int) -> Cuts | None:
-    """Cut where the Flax module path (the equations' name stack) changes at ``depth`` levels."""
-    keys = []
-    for e in eqns:
+    """Cut where the Flax module path (the equations' name stack) changes at ``depth`` levels.
+
+    An equation above that depth joins the stage after it, unless it holds a contraction: a
+    user's ``nn.remat`` block (one ``checkpoint`` equation at its parent's scope) or a matmul
+    written in the parent's ``__call__`` is a stage of its own, named by the path inside it."""
+    keys: list[Any] = []
+    for n, e in enumerate(eqns):
         parts = [p for p in _stack(e).split("/") if p]
-        keys.append(tuple(parts[:depth]) if len(parts) >= depth else None)
+        if len(parts) >= depth:
+            keys.append(tuple(parts[:depth]))
+        elif _heavy(e):
+            inner = _inner_path(e)
+            keys.append((*parts, *(inner or [f"{e.primitive.name}@{n}"]))[: max(depth, len(parts) + 1)])
+        else:
+            keys.append(None)
     return _from_keys(keys, len(eqns), f"Flax module scope, depth {depth}")
 
 
@@ -247,6 +294,42 @@ class StagePlan:
     outs: tuple  # a_{k+1}, or the function's outputs for the last stage
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def stage_digest(p: StagePlan, invars: Sequence[Any]) -> str:
+    """What a stage computes, the same in every process: its equations (primitives, parameters
+    without memory addresses, operand shapes), wired by position (a value is named by where it
+    comes from: the stage's parameters, inputs, context, activation, or an equation's output),
+    and which of those values it returns. Two stages with equal digests compute the same
+    function of equally shaped variables; a value passed through (a U-Net skip) is part of it.
+    (Python's ``hash`` of a string changes with each process, so a disk cache keyed by it never
+    hit in a new one.)"""
+    names: dict[Any, str] = {}
+    groups = (("p", [invars[j] for j in p.params]), ("in", [invars[j] for j in p.inputs]), ("c", p.context),
+              ("a", p.acts_in))
+    for group, vs in groups:
+        for n, v in enumerate(vs):
+            names[v] = f"{group}{n}"
+    parts: list[str] = [str([f"{g}:{[str(v.aval) for v in vs]}" for g, vs in groups])]
+
+    def ref(v: Any) -> str:
+        if isinstance(v, jcore.Literal):
+            return f"lit({v.val!r}:{v.aval})"
+        if v not in names:  # a constant of the function
+            names[v] = f"k{len(names)}:{v.aval}"
+        return names[v]
+
+    for n, e in enumerate(p.eqns):
+        params = _ADDRESS.sub("", str(sorted((k, str(v)) for k, v in e.params.items())))
+        parts.append(f"{e.primitive.name}({','.join(ref(v) for v in e.invars)}){params}")
+        for m, v in enumerate(e.outvars):
+            if _is_var(v):
+                names[v] = f"e{n}.{m}:{v.aval}"
+    parts.append(str([ref(v) if _is_var(v) or isinstance(v, jcore.Literal) else "?" for v in p.outs]))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
 class JaxprChain:
     """A traced function cut into a :class:`~jaxremat.Chain` of stages."""
 
@@ -323,8 +406,7 @@ class JaxprChain:
             return tuple(read(v) for v in p.outs), {}
 
         name = self.cuts.names[k]
-        key = function_key(apply) + str([(e.primitive.name, str(e.params)[:200]) for e in p.eqns])
-        return Stage(f"{k}:{name}", name.split("/")[-1] or "stage", apply, key=str(hash(key)))
+        return Stage(f"{k}:{name}", name.split("/")[-1] or "stage", apply, key=function_key(apply) + ":" + stage_digest(p, self.invars))
 
     def variables(self, flat: Sequence[Any]) -> list[dict]:
         """Each stage's variables from ``fun``'s flat inputs (the prologue runs here)."""
@@ -363,6 +445,12 @@ class JaxprChain:
             if v in where:
                 where[v].append(L)
         return [(ks[0], ks[-1], _nbytes(v), self.cuts.names[ks[0] - 1]) for v, ks in where.items() if len(ks) > 1]
+
+    @property
+    def user_remat(self) -> tuple[int, ...]:
+        """The stages holding the function's own ``jax.checkpoint`` / ``nn.remat`` (kept as written
+        inside them: the plan decides around them)."""
+        return tuple(k for k, p in enumerate(self.plans) if any(e.primitive.name in REMAT_PRIMITIVES for e in p.eqns))
 
     @property
     def context_bytes(self) -> int:

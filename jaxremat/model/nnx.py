@@ -33,15 +33,27 @@ def nnx_stage(name: str, module: Any) -> Stage:
     return Stage(name, type(module).__name__, apply, init, ("rest",), (), key=f"nnx:{graphdef!r}")
 
 
-def nnx_layers(modules: Any) -> list[Any]:
-    """The layers of an ``nnx.Sequential`` or a list of NNX modules."""
+def layer_list(modules: Any) -> list[Any] | None:
+    """The layers of an ``nnx.Sequential``, an ``nnx.List`` (Flax 0.12's container for lists of
+    modules) or a Python list or tuple of NNX modules; ``None`` for anything else."""
     from flax import nnx
 
-    layers = list(modules.layers) if isinstance(modules, nnx.Sequential) else (
-        list(modules) if isinstance(modules, (list, tuple)) else None
-    )
+    if isinstance(modules, nnx.Sequential):
+        return list(modules.layers)
+    nnx_list = getattr(nnx, "List", None)
+    if isinstance(modules, (list, tuple)) or (nnx_list is not None and isinstance(modules, nnx_list)):
+        return list(modules)
+    return None
+
+
+def nnx_layers(modules: Any) -> list[Any]:
+    """The layers of an ``nnx.Sequential``, an ``nnx.List`` or a list of NNX modules."""
+    layers = layer_list(modules)
     if layers is None:
-        raise ValueError(f"Chain.from_nnx expects a list of NNX modules or an nnx.Sequential, got {type(modules).__name__}")
+        raise ValueError(
+            "Chain.from_nnx expects an nnx.Sequential, an nnx.List or a list of NNX modules, got "
+            f"{type(modules).__name__}"
+        )
     if not layers:
         raise ValueError("Chain.from_nnx: the model has no layers; a chain needs at least one stage")
     return layers
@@ -57,4 +69,4 @@ def nnx_state(module: Any) -> Variables:
     return {"params": params, "rest": rest}
 
 
-__all__ = ["nnx_layers", "nnx_stage", "nnx_state"]
+__all__ = ["layer_list", "nnx_layers", "nnx_stage", "nnx_state"]

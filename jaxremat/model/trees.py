@@ -67,6 +67,13 @@ def with_shardings(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
 
 
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of ``dtype``, also of JAX's extended dtypes (a PRNG key's ``key<fry>``
+    holds 8 bytes), which NumPy cannot interpret."""
+    size = getattr(dtype, "itemsize", None)
+    return int(size) if size is not None else np.dtype(dtype).itemsize
+
+
 def tree_bytes(tree: Any) -> int:
     """Bytes of every array leaf of ``tree`` (arrays or ShapeDtypeStructs), per device for a
     leaf laid out over several devices (one shard's bytes)."""
@@ -74,7 +81,7 @@ def tree_bytes(tree: Any) -> int:
     def one(s: Any) -> int:
         sh = sharding_of(s)
         shape = sh.shard_shape(tuple(s.shape)) if sh is not None else s.shape
-        return int(np.prod(shape)) * np.dtype(s.dtype).itemsize
+        return int(np.prod(shape)) * itemsize(s.dtype)
 
     return int(sum(one(s) for s in jax.tree.leaves(tree)))
 
@@ -87,7 +94,7 @@ def all_floating(tree: Any) -> bool:
 
 def describe(tree: Any) -> str:
     """Shapes and dtypes of ``tree`` as text: ``{'a': 'float32[2, 3]'}``."""
-    return str(jax.tree.map(lambda s: f"{np.dtype(s.dtype).name}{list(s.shape)}", tree))
+    return str(jax.tree.map(lambda s: f"{getattr(s.dtype, 'name', s.dtype)}{list(s.shape)}", tree))
 
 
 def check_leaves(tree: Any, what: str) -> None:
@@ -100,4 +107,4 @@ def check_leaves(tree: Any, what: str) -> None:
             )
 
 
-__all__ = ["abstract", "all_floating", "mesh_devices", "check_leaves", "describe", "is_sharded", "is_traced", "sharding_of", "tree_bytes", "with_shardings"]
+__all__ = ["itemsize", "abstract", "all_floating", "mesh_devices", "check_leaves", "describe", "is_sharded", "is_traced", "sharding_of", "tree_bytes", "with_shardings"]

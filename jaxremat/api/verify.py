@@ -1,0 +1,179 @@
+"""Verified plans: the memory asked is the memory XLA uses, by construction.
+
+A plan is solved on costs assembled from per-stage measurements, and a whole program can meet
+what no stage showed alone (XLA schedules nested recomputations side by side, fuses across
+stage boundaries). So before a plan is used, :func:`verify` compiles the step under it and
+reads XLA's temp memory. Over the budget, the plan is corrected: the working budget moves by the
+measured excess and the chain is solved again (:func:`~jaxremat.api.calibrate.calibrated_solve`)
+until a schedule measures within the budget, or :class:`~jaxremat.InfeasibleBudget` names the
+least memory any schedule tried measured. Then the hand strategies that lie in the same
+schedule space (every stage under each store option, every stage checkpointed, ``sqrt(L)``
+segments) and that the cost model says could be faster are compiled too; one that measures
+within the budget with fewer compiled flops replaces the plan. The plan is never worse than a
+hand strategy it could have been.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from jaxremat.api.calibrate import calibrated_solve
+from jaxremat.core.costs import ChainCosts
+from jaxremat.core.ops import Op, OpKind
+from jaxremat.core.schedule import InfeasibleBudget, Schedule
+from jaxremat.core.simulator import simulate
+from jaxremat.core.units import format_bytes
+from jaxremat.solvers import baselines
+
+#: At most this many hand strategies are compiled per plan (those the cost model ranks fastest).
+HAND_COMPILES = 2
+#: A hand strategy predicted above the budget by more than this factor is not compiled: the
+#: cost model overestimates XLA by a few percent, not by more.
+HAND_SLACK = 1.25
+
+
+@dataclass(frozen=True)
+class Measured:
+    """XLA's figures for the step under one schedule: its peak as the plan counts it (XLA's temp
+    bytes, plus ``a_0`` where that is an argument of the step) and its compiled flops."""
+
+    peak: int
+    flops: float
+
+
+@dataclass(frozen=True)
+class HandCheck:
+    """A hand strategy compiled beside the plan."""
+
+    name: str
+    predicted_peak: int
+    measured_peak: int
+    flops: float
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What :func:`verify` found: the chosen schedule's measured peak, how it got there."""
+
+    budget: int
+    predicted_peak: int
+    measured_peak: int
+    flops: float
+    corrections: int  # schedules tried after the first measured over the budget
+    compiles: int
+    seconds: float
+    chosen: str  # "plan", "corrected plan" or a hand strategy's name
+    hand: tuple[HandCheck, ...] = ()
+
+    def lines(self) -> list[str]:
+        ratio = self.measured_peak / max(self.budget, 1)
+        out = [
+            f"  verified: XLA temp {format_bytes(self.measured_peak)} ({ratio:.2f} of the budget), predicted "
+            f"{format_bytes(self.predicted_peak)}; {self.corrections} correction(s), {self.compiles} compile(s), "
+            f"{self.seconds:.1f} s; chosen: {self.chosen}"
+        ]
+        for h in self.hand:
+            verdict = "fits" if h.fits else "over the budget"
+            out.append(
+                f"    hand strategy {h.name}: XLA temp {format_bytes(h.measured_peak)} ({verdict}), "
+                f"flops {h.flops / max(self.flops, 1):.3f}x the chosen schedule's"
+            )
+        return out
+
+
+def hand_strategies(costs: ChainCosts) -> dict[str, list[Op]]:
+    """The strategies people write by hand that are schedules of this chain: every stage stored
+    under each store option (``jax.checkpoint(block, policy)`` on every block), every stage
+    checkpointed (``jax.checkpoint`` on every block) and ``sqrt(L)`` segments."""
+    L = costs.length
+    found: dict[str, list[Op]] = {"every stage checkpointed": baselines.every_stage(L), "sqrt segments": baselines.sqrt_segments(L)}
+    names = sorted({costs.option(i, k).name for i in range(L) for k in range(1, costs.option_count(i))})
+    for name in names:
+        picks = []
+        for i in range(L):
+            ks = [k for k in range(costs.option_count(i)) if costs.option(i, k).name == name]
+            # an option dropped as dominated: the one that beat it keeps no more
+            picks.append(ks[0] if ks else min(range(costs.option_count(i)), key=lambda k: costs.option(i, k).xbar))
+        ops = [Op(OpKind.FALL, i, k) for i, k in enumerate(picks)] + [Op(OpKind.LOSS, L)]
+        found[f"every stage under {name}"] = ops + [Op(OpKind.B, i) for i in reversed(range(L))]
+    return found
+
+
+def verify(
+    costs: ChainCosts,
+    target: int | None,
+    schedule: Schedule,
+    measure: Callable[[Schedule], Measured],
+    *,
+    algorithm: str = "optimal",
+    slots: int = 500,
+    tries: int = 4,
+    compare_hand: bool = True,
+) -> tuple[Schedule, Verification]:
+    """``schedule`` checked by XLA against ``target`` bytes (its measured temp, ``a_0``
+    included as the plan counts it), corrected while over, then compared with the hand
+    strategies of :func:`hand_strategies`. ``target=None`` (the store-all peak asked for: nothing
+    to recompute) measures and reports only.
+
+    ``measure(schedule)`` compiles the step under ``schedule``; results are memoised by op list.
+    Raises :class:`~jaxremat.InfeasibleBudget` when no schedule tried measures within ``target``.
+    """
+    start = time.perf_counter()
+    seen: dict[tuple, Measured] = {}
+
+    def measured(s: Schedule) -> Measured:
+        key = tuple(s.ops)
+        if key not in seen:
+            seen[key] = measure(s)
+        return seen[key]
+
+    x0 = int(costs.x[0])
+    got = measured(schedule)
+    chosen, corrections = "plan", 0
+    fits = target is None or got.peak <= target
+    if not fits:
+        # calibrated_solve adds a_0 to what measure gives it; our peak holds it already
+        try:
+            cal = calibrated_solve(costs, target, lambda s: measured(s).peak - x0, algorithm=algorithm, slots=slots,
+                                   tries=tries + 1)
+            schedule, chosen, fits = cal.schedule, "corrected plan", True
+            got = measured(schedule)
+        except InfeasibleBudget:
+            pass  # the hand strategies below may still fit
+        corrections = len(seen) - 1
+    checks: list[HandCheck] = []
+    if compare_hand and target is not None:
+        ranked = []
+        for name, ops in hand_strategies(costs).items():
+            peak, t = simulate(costs, ops)
+            # once a schedule fits, only strategies the cost model says are faster; before, any
+            # that might fit, the least memory first
+            if tuple(ops) != tuple(schedule.ops) and peak <= HAND_SLACK * target and (not fits or t < schedule.time * (1 + 1e-9)):
+                ranked.append((t if fits else peak, name, ops, peak))
+        for _, name, ops, peak in sorted(ranked, key=lambda r: r[0])[:HAND_COMPILES]:
+            hand = Schedule.from_ops(costs, ops, budget=target, algorithm=name)
+            m = measured(hand)
+            ok = m.peak <= target
+            checks.append(HandCheck(name, peak, m.peak, m.flops, ok))
+            if ok and (not fits or m.flops < got.flops * (1 - 1e-6)):
+                schedule, got, chosen, fits = hand, m, name, True
+    if not fits:
+        least = min(m.peak for m in seen.values())
+        raise InfeasibleBudget(
+            algorithm, target, least,
+            note=f"measured by XLA: the least memory of the {len(seen)} schedules compiled "
+            "(the plan, its corrections and the hand strategies that might fit)",
+        )
+    verification = Verification(
+        budget=schedule.peak if target is None else target, predicted_peak=schedule.peak, measured_peak=got.peak, flops=got.flops,
+        corrections=corrections, compiles=len(seen), seconds=time.perf_counter() - start, chosen=chosen,
+        hand=tuple(checks),
+    )
+    return (schedule if target is None else dataclasses.replace(schedule, budget=target)), verification
+
+
+__all__ = ["HandCheck", "Measured", "Verification", "hand_strategies", "verify"]

@@ -1,0 +1,172 @@
+"""The promise on models written by others (``tests/outside_models.py``): gradients as plain
+autodiff's, the memory asked is the memory XLA uses (verified plans), no more flops than a hand
+policy at its memory, plans reproducible across processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxremat as jr
+from jaxremat.profiling import Rates
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from outside_models import CASES, HAND, loop_mlp  # noqa: E402
+
+RATES = Rates(1e10, 1e10)  # fixed roofline rates: the same plans on every machine
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+def update_step(loss, args, has_aux=False):
+    """XLA's temp bytes and flops of ``loss``'s training step as jaxremat verifies it: the
+    gradient with respect to the first argument's float leaves, consumed by Adam, donated."""
+    opt = optax.adam(1e-3)
+    params, rest = args[0], args[1:]
+
+    def step(p, state, rest):
+        g = jax.grad(loss, has_aux=has_aux)(p, *rest)
+        g = g[0] if has_aux else g
+        updates, state = opt.update(g, state, p)
+        return optax.apply_updates(p, updates), state
+
+    compiled = jr.jit(step, donate_argnums=(0, 1)).lower(params, opt.init(params), rest).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes), float(compiled.cost_analysis()["flops"])
+
+
+def check_gradients(case, f):
+    grad = lambda fn: jax.grad(fn, argnums=case.grad_args, has_aux=case.has_aux)  # noqa: E731
+    ref = jax.jit(grad(case.loss))(*case.args)
+    got = jr.jit(grad(f))(*case.args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, **TOL)
+    if case.has_aux:  # batch statistics (and the dropout masks they follow) as without remat
+        ref_aux, got_aux = case.loss(*case.args)[1], f(*case.args)[1]
+        for a, b in zip(jax.tree.leaves(got_aux), jax.tree.leaves(ref_aux)):
+            np.testing.assert_allclose(a, b, **TOL)
+
+
+@pytest.mark.parametrize("name", ["linen_cnn", "concat_unet", "nnx_list"])
+def test_every_accepted_budget_is_the_memory_xla_uses(name):
+    case = CASES[name]()
+    rl = jr.remat(case.loss, None, method="xla", rates=RATES)
+    accepted = 0
+    for budget in ("30%", "50%", "75%"):
+        f = rl.with_budget(budget)
+        try:
+            plan = f.plan(*case.args)
+        except jr.InfeasibleBudget as e:  # the least memory a schedule measured, named
+            assert e.min_budget > e.budget and "measured by XLA" in str(e)
+            continue
+        accepted += 1
+        v = plan.verification
+        assert v is not None and v.measured_peak <= v.budget == plan.schedule.budget
+        temp, _ = update_step(f, case.args, case.has_aux)  # the user's own step, compiled apart
+        assert temp <= 1.05 * v.budget, (budget, temp, v.budget)
+        assert "verified: XLA temp" in plan.report()
+        check_gradients(case, f)
+    assert accepted >= 1
+
+
+def test_loop_mlp_at_every_budget():
+    case = loop_mlp(layers=8, width=128)
+    rl = jr.remat(case.loss, None, method="xla", rates=RATES)
+    for budget in ("20%", "30%", "50%", "75%"):
+        f = rl.with_budget(budget)
+        try:
+            plan = f.plan(*case.args)
+        except jr.InfeasibleBudget as e:
+            assert e.min_budget > e.budget
+            continue
+        temp, _ = update_step(f, case.args)
+        assert temp <= 1.05 * plan.verification.budget, (budget, temp, plan.verification.budget)
+    check_gradients(case, f)
+
+
+@pytest.mark.parametrize("hand", ["checkpoint every block", "dots_with_no_batch_dims_saveable"])
+def test_no_more_flops_than_a_hand_policy_at_its_memory(hand):
+    case = loop_mlp(layers=8, width=128)
+    memory, flops = update_step(case.make(HAND[hand]), case.args)
+    f = jr.remat(case.loss, memory, method="xla", rates=RATES)
+    plan = f.plan(*case.args)
+    assert plan.verification.measured_peak <= memory
+    got_memory, got_flops = update_step(f, case.args)
+    assert got_memory <= memory and got_flops <= flops * 1.001, (got_memory, memory, got_flops / flops)
+
+
+def test_user_remat_blocks_are_stages_and_shown():
+    case = CASES["linen_cnn"]()
+    plan = jr.remat(case.loss, None, method="xla", rates=RATES, verify=False).plan(*case.args)
+    names = [plan.costs.stage_name(i) for i in range(plan.costs.length)]
+    assert sum("CheckpointConvBlock" in n for n in names) == 2, names  # the user's two nn.remat blocks
+    assert "your own jax.checkpoint" in plan.report()
+
+
+def test_equinox_model_with_static_leaves_through_filter_transforms():
+    import equinox as eqx
+
+    case = CASES["equinox"]()
+    model, tok, key = case.args
+    f = jr.remat(case.loss, "50%", method="xla", rates=RATES, verify=False)
+    got = eqx.filter_jit(eqx.filter_grad(f))(model, tok, key)
+    ref = eqx.filter_jit(eqx.filter_grad(case.loss))(model, tok, key)
+    for a, b in zip(jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(ref, eqx.is_array))):
+        np.testing.assert_allclose(a, b, **TOL)
+    # a Python scalar beside the arrays is static, as under jax.grad
+    w = jnp.ones((16, 16)) / 4
+    g = jr.remat(lambda w, n: jnp.mean(jnp.tanh(jnp.tanh(jnp.ones((4, 16)) @ w) @ w) ** n), None, verify=False,
+                 stages="bytes", method="xla", rates=RATES)
+    np.testing.assert_allclose(jax.grad(g)(w, 3), jax.grad(lambda w, n: jnp.mean(jnp.tanh(jnp.tanh(jnp.ones((4, 16)) @ w) @ w) ** n))(w, 3), **TOL)
+
+
+def test_remat_nnx_takes_an_nnx_list():
+    from flax import nnx
+
+    r = nnx.Rngs(0)
+    layers = nnx.List([nnx.Linear(16, 16, rngs=r) for _ in range(4)])
+    model = jr.remat_nnx("50%", method="xla", rates=RATES, verify=False)(layers)
+    x = jnp.ones((8, 16))
+    ref = x
+    for layer in layers:
+        ref = layer(ref)
+    np.testing.assert_allclose(model(x), ref, **TOL)
+    with pytest.raises(ValueError, match="nnx.List"):
+        jr.remat_nnx("50%")(nnx.Linear(16, 16, rngs=r))
+
+
+def test_misspelt_option_fails_at_decoration():
+    with pytest.raises(TypeError, match="unknown option.*verfy"):
+        jr.remat(lambda w, x: jnp.sum(x @ w), "50%", verfy=False)
+
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import jaxremat as jr
+    from jaxremat.profiling import Rates
+    from outside_models import loop_mlp
+    case = loop_mlp(layers=6, width=64)
+    f = jr.remat(case.loss, "40%", method="xla", rates=Rates(1e10, 1e10), verify=False)
+    print(json.dumps([list(map(str, op)) for op in f.plan(*case.args).schedule.ops]))
+""")
+
+
+def test_two_processes_plan_alike_and_the_second_hits_the_cache(tmp_path):
+    env = {**os.environ, "JAXREMAT_CACHE_DIR": str(tmp_path / "cache"), "JAXREMAT_CACHE": "1"}
+    code = CHILD.format(tests=str(Path(__file__).resolve().parent))
+    runs, entries = [], []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        entries.append(sorted(p.name for p in (tmp_path / "cache").glob("*.json")))
+    assert runs[0] == runs[1]
+    assert entries[0] and entries[0] == entries[1]  # nothing new profiled in the second process
