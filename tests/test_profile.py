@@ -212,7 +212,7 @@ def test_nnx_chain_matches_the_module_and_profiles():
     np.testing.assert_allclose(chain.apply(v, x), seq(x), rtol=1e-5, atol=1e-6)
     costs = profile(chain, v, x, method="xla", rates=RATES)
     assert list(costs.x) == [4 * 16 * 4, 4 * 32 * 4, 4 * 32 * 4, 4 * 32 * 4, 4 * 8 * 4]
-    with pytest.raises(ValueError, match="list of NNX modules or an nnx.Sequential"):
+    with pytest.raises(ValueError, match="an nnx.Sequential, an nnx.List or a list of NNX modules"):
         Chain.from_nnx(seq.layers[0])
 
 

@@ -216,7 +216,8 @@ def test_random_numbers_and_mutable_outputs_as_without_remat():
 
     args = (v["params"], v["batch_stats"], x, jax.random.key(5))
     ref = jax.value_and_grad(loss, has_aux=True)(*args)
-    got = jr.jit(jax.value_and_grad(jr.remat(loss, "40%", method="xla"), has_aux=True))(*args)
+    # (semantics only: verify=False, the step of a model this small is XLA's fixed overheads)
+    got = jr.jit(jax.value_and_grad(jr.remat(loss, "40%", method="xla", verify=False), has_aux=True))(*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

@@ -71,7 +71,7 @@ def test_trains_with_nnx_optimizer_like_the_plain_model():
 
 
 def test_not_a_sequence_is_a_clear_error():
-    with pytest.raises(ValueError, match="nnx.Sequential or a non-empty list"):
+    with pytest.raises(ValueError, match="nnx.Sequential, an nnx.List or a non-empty list"):
         jr.remat_nnx("50%")(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
 
 

@@ -60,7 +60,9 @@ class PlanOptions:
         last stage is then profiled fused with it, as XLA runs it (:func:`jaxremat.profile`).
       verify: compile the step under the plan before it is used and read XLA's memory; over the
         budget, correct and plan again until it fits (:mod:`jaxremat.api.verify`). ``False``
-        trusts the cost model (no extra compiles).
+        trusts the cost model (no extra compiles). ``None``: the entry point's default, on for
+        :func:`~jaxremat.remat`, off for ``remat_chain``, ``remat_nnx`` and :func:`~jaxremat.plan`
+        (whose built-in models meet their plans; ``calibrate=True`` measures them).
     """
 
     algorithm: str = "optimal"
@@ -70,7 +72,7 @@ class PlanOptions:
     max_period: int = MAX_PERIOD
     policies: Policies = None
     bandwidth: BandwidthLike | None = None
-    verify: bool = True
+    verify: bool | None = None
     loss: Callable[[Any], Any] | None = field(default=None, compare=False)
     profile_options: dict = field(default_factory=dict, compare=False)
 
@@ -96,8 +98,8 @@ class PlanOptions:
         if self.calibrate and name in OFFLOAD_ALGORITHMS:
             raise ValueError("calibrate=True measures memory on this machine; it does not plan offloading yet: "
                              "calibrate a remat-only plan, or leave calibrate out")
-        if not isinstance(self.verify, bool):
-            raise ValueError(f"verify must be True or False, got {self.verify!r}")
+        if self.verify is not None and not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be True, False or None (the default), got {self.verify!r}")
         if self.method not in ("measure", "xla"):
             raise ValueError(f"method must be 'measure' or 'xla', got {self.method!r}")
         if isinstance(self.max_period, bool) or not isinstance(self.max_period, int) or self.max_period < 1:

@@ -31,7 +31,7 @@ from jaxremat.core.units import format_bytes
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical
 from jaxremat.model.identity import leaf_signature
 from jaxremat.model.jaxpr_chain import MAX_STAGES, JaxprChain, find_cuts, trace
-from jaxremat.model.trees import abstract
+from jaxremat.model.trees import abstract, is_sharded
 from jaxremat.profiling.profiler import profile
 from jaxremat.run.executor import execute
 
@@ -202,7 +202,9 @@ class RematFunction:
     def _verified(self, plan: Plan, traced: JaxprChain, flat: list, first: int) -> Plan:
         """``plan`` checked by XLA (:func:`~jaxremat.api.verify.verify`), corrected if over."""
         o = self.options
-        if not o.verify or o.calibrate or canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
+        if o.verify is False or o.calibrate or canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
+            return plan
+        if is_sharded(flat):  # the verification step compiles for one device (not yet per device)
             return plan
         costs = plan.costs
         target = None if self.budget is None else parse_budget(self.budget, costs)
@@ -236,8 +238,25 @@ def remat(fun: Any = None, budget: Budget = _UNSET, *, stages: Any = "auto", max
         depth with the most stages up to ``max_stages``, else ``checkpoint_name`` markers, else
         cuts before matmuls and convolutions where the fewest bytes cross), an int (a module
         depth), ``"names"``, ``"bytes"`` or a regex over module paths (``r"blocks_\\d+"``).
-      options: ``algorithm``, ``method``, ``slots``, ``policies``, ``bandwidth`` as for
-        :func:`jaxremat.remat_chain`; other keywords go to :func:`jaxremat.profile`.
+      options: ``algorithm``, ``method``, ``slots``, ``policies``, ``bandwidth``, ``verify`` as
+        for :func:`jaxremat.remat_chain`; ``rates``, ``repeats``, ``cache``, ``quiet`` go to
+        :func:`jaxremat.profile`. Any other keyword is an error now, not at the first call.
+
+    Verified plans (``verify=True``, the default): before a plan is used, the training step
+    under it (the gradient of ``fun``'s first output with respect to the float leaves of its
+    first argument, consumed by an optimizer update) is compiled and XLA's temp memory read;
+    over the budget, the plan is corrected and solved again until it fits, and the hand
+    strategies in the schedule space (every stage checkpointed, every stage under each store
+    option, ``sqrt(L)`` segments) that the cost model says may be faster are compiled too, the
+    one with the fewest flops that fits kept. :class:`~jaxremat.InfeasibleBudget` names the
+    least memory XLA measured when nothing fits. The plan's report gives both peaks, the
+    corrections and the seconds it took (usually one to three compiles of the step).
+
+    Input leaves that are not arrays (Python numbers, bools, callables: an equinox module's
+    static fields) are passed to ``fun`` as they are, as ``equinox.filter_jit`` does, so
+    ``eqx.filter_jit(eqx.filter_grad(jaxremat.remat(loss, b)))`` works. A ``jax.checkpoint`` or
+    ``nn.remat`` inside ``fun`` is kept as written, its block a stage of its own (the report
+    names it).
 
     Returns:
       A function with ``fun``'s signature and outputs, planned on its first call for those input

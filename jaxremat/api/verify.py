@@ -152,7 +152,9 @@ def verify(
             peak, t = simulate(costs, ops)
             # once a schedule fits, only strategies the cost model says are faster; before, any
             # that might fit, the least memory first
-            if tuple(ops) != tuple(schedule.ops) and peak <= HAND_SLACK * target and (not fits or t < schedule.time * (1 + 1e-9)):
+            # (nothing fitting yet, any strategy is worth a compile, the least memory first)
+            close = peak <= HAND_SLACK * target or not fits
+            if tuple(ops) != tuple(schedule.ops) and close and (not fits or t < schedule.time * (1 + 1e-9)):
                 ranked.append((t if fits else peak, name, ops, peak))
         for _, name, ops, peak in sorted(ranked, key=lambda r: r[0])[:HAND_COMPILES]:
             hand = Schedule.from_ops(costs, ops, budget=target, algorithm=name)

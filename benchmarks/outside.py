@@ -1,0 +1,128 @@
+"""The promise on models written by others: verified plans against hand policies.
+
+For each model of the outside corpus (``tests/outside_models.py``: a plain-JAX loop MLP, a linen
+CNN with the user's ``nn.remat``, dropout and BatchNorm, a U-Net with concatenated skips, an
+equinox transformer with its blocks in a list, an NNX model over an ``nnx.List``), planned
+through ``jaxremat.remat`` at 20 / 30 / 50 / 75% of the store-all peak:
+
+* the user's training step (gradient of the first argument, Adam, donated) compiled apart:
+  XLA's temp over the budget, compiled flops over the plain step's, the corrections the
+  verification made and the first call's setup seconds (trace, profile, plan, verify);
+* against each hand policy on every block (``jax.checkpoint``, ``dots_saveable``,
+  ``dots_with_no_batch_dims_saveable``): jaxremat given the policy's measured memory as its
+  budget, its memory and flops over the policy's.
+
+Goal: every accepted budget within 1.05x by measurement, no more flops than any hand policy at
+its memory. Plans from the roofline time model (``method="xla"``), CPU, ``cse_barrier_expander``
+off. Writes ``benchmarks/results/outside.md``.
+
+    python benchmarks/outside.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from pathlib import Path
+
+import jax
+import optax
+
+import jaxremat as jr
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from outside_models import CASES, HAND  # noqa: E402
+
+BUDGETS = ("20%", "30%", "50%", "75%")
+
+
+def step_figures(loss, args, has_aux=False):
+    """XLA temp and flops of ``loss``'s update step (as ``jaxremat`` verifies it)."""
+    opt = optax.adam(1e-3)
+
+    def step(p, state, rest):
+        g = jax.grad(loss, has_aux=has_aux)(p, *rest)
+        g = g[0] if has_aux else g
+        updates, state = opt.update(g, state, p)
+        return optax.apply_updates(p, updates), state
+
+    c = jr.jit(step, donate_argnums=(0, 1)).lower(args[0], opt.init(args[0]), args[1:]).compile()
+    cost = c.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return int(c.memory_analysis().temp_size_in_bytes), float(cost["flops"])
+
+
+def rows_for(key: str) -> tuple[list[str], list[str]]:
+    case = CASES[key]()
+    plain_temp, plain_flops = step_figures(case.loss, case.args, case.has_aux)
+    budget_rows, hand_rows = [], []
+    base = None
+    for budget in BUDGETS:
+        t0 = time.perf_counter()
+        f = jr.remat(case.loss, budget, method="xla") if base is None else base.with_budget(budget)
+        base = base or f
+        try:
+            plan = f.plan(*case.args)
+        except jr.InfeasibleBudget as e:
+            budget_rows.append(f"| {case.name} | {budget} | refused: least measured {jr.format_bytes(e.min_budget)} "
+                               f"(budget {jr.format_bytes(e.budget)}) | | | | {time.perf_counter() - t0:.1f} |")
+            print(budget_rows[-1], flush=True)
+            continue
+        setup = time.perf_counter() - t0
+        temp, flops = step_figures(f, case.args, case.has_aux)
+        v = plan.verification
+        budget_rows.append(
+            f"| {case.name} | {budget} | {jr.format_bytes(v.budget)} | {temp / v.budget:.3f} | {flops / plain_flops:.3f} | "
+            f"{v.corrections} ({v.chosen}) | {setup:.1f} |"
+        )
+        print(budget_rows[-1], flush=True)
+    for hand, policy in HAND.items():
+        memory, flops = step_figures(case.make(policy), case.args, case.has_aux)
+        try:
+            f = base.with_budget(memory)
+            f.plan(*case.args)
+            temp, got = step_figures(f, case.args, case.has_aux)
+            verdict = "no more" if got <= flops * 1.001 else "MORE"
+            hand_rows.append(f"| {case.name} | {hand} | {jr.format_bytes(memory)} | {temp / memory:.3f} | "
+                             f"{got / flops:.3f} | {verdict} |")
+        except jr.InfeasibleBudget as e:
+            hand_rows.append(f"| {case.name} | {hand} | {jr.format_bytes(memory)} | refused (least measured "
+                             f"{jr.format_bytes(e.min_budget)}) | | MISSED |")
+        print(hand_rows[-1], flush=True)
+    return budget_rows, hand_rows
+
+
+def main() -> None:
+    keys = sys.argv[1:] or list(CASES)
+    budget_rows, hand_rows = [], []
+    for key in keys:
+        b, h = rows_for(key)
+        budget_rows += b
+        hand_rows += h
+    lines = [
+        "# Verified plans on models written by others",
+        "",
+        f"Measured {datetime.date.today().isoformat()}, CPU, jax {jax.__version__}, `cse_barrier_expander` disabled; "
+        "plans from `method=\"xla\"`; the step is the user's (gradient of the first argument, Adam, donated), "
+        "compiled apart from the plan's verification. Command: `python benchmarks/outside.py`",
+        "",
+        "## Budgets",
+        "",
+        "| model | budget | bytes | XLA temp / budget | flops / plain | corrections (chosen) | setup s |",
+        "|---|---|---|---|---|---|---|",
+        *budget_rows,
+        "",
+        "## Against hand policies on every block, at the policy's measured memory",
+        "",
+        "| model | hand policy | its memory | jaxremat temp / that | jaxremat flops / policy's | |",
+        "|---|---|---|---|---|---|",
+        *hand_rows,
+    ]
+    out = Path(__file__).resolve().parent / "results" / "outside.md"
+    out.write_text("\n".join(lines) + "\n")
+    print(out.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Where to cut a jaxpr into stages: by Flax module scope, by ``checkpoint_name`` markers, or
+before the contractions where the fewest bytes cross (:func:`find_cuts`), with the jaxpr
+helpers the chain shares (:mod:`jaxremat.model.jaxpr_chain`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from jaxremat.model.trees import itemsize
+
+CONTRACTIONS = ("dot_general", "conv_general_dilated")
+MAX_STAGES = 48
+REMAT_PRIMITIVES = ("checkpoint", "remat2", "remat")  # jax.checkpoint's primitive, by jax version
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Stage ``k`` is equations ``bounds[k] .. bounds[k+1]-1``; ``how`` says how they were chosen."""
+
+    bounds: tuple[int, ...]
+    how: str
+    names: tuple[str, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.bounds) - 1
+
+
+def _nbytes(v: Any) -> int:
+    aval = v.aval
+    return int(np.prod(aval.shape)) * itemsize(aval.dtype) if hasattr(aval, "shape") else 0
+
+
+def _is_var(v: Any) -> bool:
+    return isinstance(v, jcore.Var) and not isinstance(v, jcore.DropVar)
+
+
+def _inexact(v: Any) -> bool:
+    return hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.inexact)
+
+
+def _stack(eqn: Any) -> str:
+    return str(eqn.source_info.name_stack)
+
+
+# -- where to cut ------------------------------------------------------------------------------
+
+
+def _groups(keys: Sequence[Any]) -> list[tuple[int, Any]]:
+    """Runs of equal keys as (first equation, key). Equations without a key (``None``: glue
+    between modules, such as a residual add in the parent's ``__call__``) join the run after
+    them; trailing ones the last run."""
+    runs: list[tuple[int, Any]] = []
+    last_keyed = -1
+    for n, key in enumerate(keys):
+        if key is None:
+            continue
+        if not runs or runs[-1][1] != key:
+            runs.append((0 if not runs else last_keyed + 1, key))
+        last_keyed = n
+    return runs
+
+
+def _from_keys(keys: Sequence[Any], n_eqns: int, how: str) -> Cuts | None:
+    runs = _groups(keys)
+    if len(runs) < 2:
+        return None
+    bounds = tuple(n for n, _ in runs) + (n_eqns,)
+    return Cuts(bounds, how, tuple("/".join(k) if isinstance(k, tuple) else str(k) for _, k in runs))
+
+
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+    """The jaxprs inside ``eqn`` (a ``checkpoint``'s, a ``pjit``'s, a ``scan``'s body ...)."""
+    found = []
+    for v in eqn.params.values():
+        for x in v if isinstance(v, (list, tuple)) else (v,):
+            j = getattr(x, "jaxpr", x)
+            if hasattr(j, "eqns"):
+                found.append(j)
+    return found
+
+
+def _inner_path(eqn: Any) -> list[str]:
+    """The module path the equations inside ``eqn`` share (a user's ``nn.remat`` block is one
+    ``checkpoint`` equation at its parent's scope; inside, its own path): ``[]`` if none."""
+    paths = [[p for p in _stack(e).split("/") if p] for j in _sub_jaxprs(eqn) for e in j.eqns]
+    paths = [p for p in paths if p]
+    if not paths:
+        return []
+    common = paths[0]
+    for p in paths[1:]:
+        n = 0
+        while n < min(len(common), len(p)) and common[n] == p[n]:
+            n += 1
+        common = common[:n]
+    return common
+
+
+def _heavy(eqn: Any) -> bool:
+    """A contraction, or an equation holding one (a user's ``jax.checkpoint``, a ``jit``)."""
+    if eqn.primitive.name in CONTRACTIONS:
+        return True
+    return any(_heavy(e) for j in _sub_jaxprs(eqn) for e in j.eqns)
+
+
+def scope_cuts(eqns: Sequence[Any], depth: int) -> Cuts | None:
+    """Cut where the Flax module path (the equations' name stack) changes at ``depth`` levels.
+
+    An equation above that depth joins the stage after it, unless it holds a contraction: a
+    user's ``nn.remat`` block (one ``checkpoint`` equation at its parent's scope) or a matmul
+    written in the parent's ``__call__`` is a stage of its own, named by the path inside it."""
+    keys: list[Any] = []
+    for n, e in enumerate(eqns):
+        parts = [p for p in _stack(e).split("/") if p]
+        if len(parts) >= depth:
+            keys.append(tuple(parts[:depth]))
+        elif _heavy(e):
+            inner = _inner_path(e)
+            keys.append((*parts, *(inner or [f"{e.primitive.name}@{n}"]))[: max(depth, len(parts) + 1)])
+        else:
+            keys.append(None)
+    return _from_keys(keys, len(eqns), f"Flax module scope, depth {depth}")
+
+
+def pattern_cuts(eqns: Sequence[Any], pattern: str) -> Cuts | None:
+    """Cut where the part of the module path that ``pattern`` (a regex) matches changes."""
+    rx = re.compile(pattern)
+    keys = []
+    for e in eqns:
+        m = rx.search(_stack(e))
+        keys.append(m.group(0) if m else None)
+    if all(k is None for k in keys):
+        return None
+    return _from_keys(keys, len(eqns), f"module paths matching {pattern!r}")
+
+
+def name_cuts(eqns: Sequence[Any]) -> Cuts | None:
+    """Cut after every ``jax.ad_checkpoint.checkpoint_name`` marker."""
+    after = [n + 1 for n, e in enumerate(eqns) if e.primitive.name == "name" and n + 1 < len(eqns)]
+    if not after:
+        return None
+    bounds = tuple(sorted({0, *after})) + (len(eqns),)
+    names = ["start"] + [str(eqns[b - 1].params.get("name", "")) for b in bounds[1:-1]]
+    return Cuts(bounds, "checkpoint_name markers", tuple(names))
+
+
+def crossing_bytes(jaxpr: Any) -> np.ndarray:
+    """Bytes of gradient-carrying values live across each boundary ``t`` (between equations
+    ``t-1`` and ``t``), ``t = 0 .. len(eqns)``."""
+    eqns = jaxpr.eqns
+    made: dict[Any, int] = {}
+    last: dict[Any, int] = {}
+    for n, e in enumerate(eqns):
+        for v in e.invars:
+            if _is_var(v):
+                last[v] = n
+        for v in e.outvars:
+            if _is_var(v):
+                made[v] = n
+    for v in jaxpr.outvars:
+        if _is_var(v):
+            last[v] = len(eqns)
+    diff = np.zeros(len(eqns) + 2)
+    for v, d in made.items():
+        if v in last and _inexact(v) and last[v] > d:
+            diff[d + 1] += _nbytes(v)
+            diff[last[v] + 1] -= _nbytes(v)
+    return np.cumsum(diff)[: len(eqns) + 1]
+
+
+def bytes_cuts(jaxpr: Any, max_stages: int) -> Cuts | None:
+    """Cut before contractions (matmuls, convolutions) where the fewest bytes cross, at most
+    ``max_stages`` stages."""
+    eqns = jaxpr.eqns
+    cb = crossing_bytes(jaxpr)
+    cands = [n for n, e in enumerate(eqns) if e.primitive.name in CONTRACTIONS and n > 0]
+    if not cands:
+        return None
+    if len(cands) >= max_stages:
+        cands = sorted(sorted(cands, key=lambda n: (cb[n], n))[: max_stages - 1])
+    bounds = tuple(sorted({0, *cands})) + (len(eqns),)
+    if len(bounds) < 3:
+        return None
+    return Cuts(bounds, "before contractions, where the fewest bytes cross", tuple(f"eqn {b}" for b in bounds[:-1]))
+
+
+def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES) -> Cuts:
+    """The stages of ``jaxpr``'s equations.
+
+    ``stages``: ``"auto"`` (the Flax module-scope depth with the most stages up to
+    ``max_stages``; else ``checkpoint_name`` markers; else cuts before contractions), an int
+    (a module-scope depth), ``"names"`` (``checkpoint_name`` markers), ``"bytes"``, or a regular
+    expression over module paths (``r"blocks_\\d+"``). ``ValueError`` saying what was found when
+    fewer than two stages come out."""
+    eqns = jaxpr.eqns
+    depth_max = max((len([p for p in _stack(e).split("/") if p]) for e in eqns), default=0)
+    if isinstance(stages, bool) or not isinstance(stages, (int, str)):
+        raise ValueError(f"stages must be 'auto', 'names', 'bytes', a module-scope depth (int) or a regex; got {stages!r}")
+    if isinstance(stages, int):
+        found = scope_cuts(eqns, stages)
+        what = f"module scope depth {stages} (the deepest module path here has {depth_max} levels)"
+    elif stages == "names":
+        found, what = name_cuts(eqns), "checkpoint_name markers"
+    elif stages == "bytes":
+        found, what = bytes_cuts(jaxpr, max_stages), "matmuls or convolutions to cut before"
+    elif stages == "auto":
+        found = None
+        for d in range(1, depth_max + 1):
+            c = scope_cuts(eqns, d)
+            if c is not None and c.count <= max_stages and (found is None or c.count > found.count):
+                found = c
+        found = found or name_cuts(eqns) or bytes_cuts(jaxpr, max_stages)
+        what = "Flax module scopes, checkpoint_name markers or matmuls/convolutions"
+    else:
+        found = pattern_cuts(eqns, stages)
+        if found is None:
+            paths = sorted({_stack(e) for e in eqns if _stack(e)})[:6]
+            raise ValueError(
+                f"stages={stages!r} matches no module path of this function; its paths look like "
+                f"{paths or ['(none: the function has no Flax module scopes)']}"
+            )
+        what = f"module paths matching {stages!r}"
+    if found is None or found.count < 2:
+        raise ValueError(
+            f"jaxremat.remat found fewer than two stages in this function ({len(eqns)} equations) by {what}; "
+            "cut it with stages=<a module-scope depth, or a regex over module paths>, mark cut points with "
+            "jax.ad_checkpoint.checkpoint_name(x, name) and stages='names', or remat a function with more layers"
+        )
+    return found
+
+
+__all__ = ["CONTRACTIONS", "Cuts", "MAX_STAGES", "REMAT_PRIMITIVES", "crossing_bytes", "find_cuts"]
