@@ -135,7 +135,9 @@ def test_gradients_exact_and_memory_as_planned(name):
     # 16-stage params-dict function at 30% got one of dozens of near-equal plans, a third of
     # which XLA packs with one activation (32 KiB) of fragmentation: 1.12x the plan, the live
     # bytes 0.89x (measured 2026-12-04, docs/benchmarks.md)
-    rl = jr.remat(loss, "50%", method="xla", rates=Rates(1e10, 1e10))
+    # verified on the U-Net and the params dict (each verification compiles the step again; the
+    # decoder, NNX and equinox cases check the cost model's plans, as before)
+    rl = jr.remat(loss, "50%", method="xla", rates=Rates(1e10, 1e10), verify=name in ("unet", "params dict"))
     faster: list[bool] = []
     for budget in ("30%", "50%", "75%"):
         f = rl.with_budget(budget)
@@ -152,7 +154,8 @@ def test_gradients_exact_and_memory_as_planned(name):
         plan = f.plan(*args)
         temp = _temp(step, args)
         assert temp <= 1.10 * plan.schedule.peak, (budget, temp, plan.schedule.peak)
-        assert plan.verification.measured_peak <= plan.schedule.budget  # the update step, verified
+        if plan.verification is not None:
+            assert plan.verification.measured_peak <= plan.schedule.budget  # the update step, verified
         costs = plan.schedule.costs
         if name == "unet":  # three skip tensors, each one buffer however many activations carry it
             assert [(v.first, v.last) for v in costs.shared] == [(3, 12), (5, 10), (7, 8)]

@@ -204,7 +204,8 @@ class RematFunction:
         o = self.options
         if o.verify is False or o.calibrate or canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
             return plan
-        if is_sharded(flat):  # the verification step compiles for one device (not yet per device)
+        if is_sharded(flat) or jax.device_count() > 1:
+            # the verification step compiles for one device: not yet per device on a mesh
             return plan
         costs = plan.costs
         target = None if self.budget is None else parse_budget(self.budget, costs)

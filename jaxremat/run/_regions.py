@@ -148,7 +148,11 @@ def tied_checkpoint(
         # a region whose saved input is parameters alone (a jaxpr chain's first stage reads the
         # function's inputs as parameters, its activation is empty) passes one element of the
         # cotangent too (below: what keeps it in the barrier)
-        arrived = element_now(g[0]) if direct_cotangent and mark_of(res[2]) is None else None
+        # (one device only: on an Explicit mesh, slicing the sharded cotangent to one element
+        # fails when the step is transformed; untied there, as before)
+        empty = not any(jnp.issubdtype(jnp.result_type(x), jnp.inexact) and jnp.size(x) for x in jax.tree.leaves(res[2]))
+        tie = direct_cotangent and empty and jax.device_count() == 1
+        arrived = element_now(g[0]) if tie else None
         owned, keys, a, g_out, token, arrived = lax.optimization_barrier((*res, g[0], g[2], arrived))
         if direct_cotangent:
             # XLA drops a barrier's unused outputs with their operands, so the cotangent leaves
