@@ -27,30 +27,14 @@ import time
 from pathlib import Path
 
 import jax
-import optax
 
 import jaxremat as jr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from outside_models import CASES, HAND  # noqa: E402
+from outside_models import update_step as step_figures  # noqa: E402
 
 BUDGETS = ("20%", "30%", "50%", "75%")
-
-
-def step_figures(loss, args, has_aux=False):
-    """XLA temp and flops of ``loss``'s update step (as ``jaxremat`` verifies it)."""
-    opt = optax.adam(1e-3)
-
-    def step(p, state, rest):
-        g = jax.grad(loss, has_aux=has_aux)(p, *rest)
-        g = g[0] if has_aux else g
-        updates, state = opt.update(g, state, p)
-        return optax.apply_updates(p, updates), state
-
-    c = jr.jit(step, donate_argnums=(0, 1)).lower(args[0], opt.init(args[0]), args[1:]).compile()
-    cost = c.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return int(c.memory_analysis().temp_size_in_bytes), float(cost["flops"])
 
 
 def rows_for(key: str) -> tuple[list[str], list[str]]:

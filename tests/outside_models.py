@@ -17,7 +17,10 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
+
+import jaxremat as jr
 
 # hand strategies, applied to every block: None (plain autodiff), "full" (jax.checkpoint with no
 # policy: keep the block's input only) or a jax.checkpoint policy
@@ -27,6 +30,23 @@ HAND = {
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
 }
+
+
+def update_step(loss: Callable, args: tuple, has_aux: bool = False) -> tuple[int, float]:
+    """XLA's temp bytes and flops of ``loss``'s training step as jaxremat verifies it: the
+    gradient with respect to the first argument's float leaves, consumed by Adam, donated."""
+    opt = optax.adam(1e-3)
+
+    def step(p, state, rest):
+        g = jax.grad(loss, has_aux=has_aux)(p, *rest)
+        g = g[0] if has_aux else g
+        updates, state = opt.update(g, state, p)
+        return optax.apply_updates(p, updates), state
+
+    compiled = jr.jit(step, donate_argnums=(0, 1)).lower(args[0], opt.init(args[0]), args[1:]).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return int(compiled.memory_analysis().temp_size_in_bytes), float(cost["flops"])
 
 
 def wrap(block: Callable, hand: Any) -> Callable:

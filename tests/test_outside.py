@@ -14,33 +14,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import jaxremat as jr
 from jaxremat.profiling import Rates
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from outside_models import CASES, HAND, loop_mlp  # noqa: E402
+from outside_models import CASES, HAND, loop_mlp, update_step  # noqa: E402
 
 RATES = Rates(1e10, 1e10)  # fixed roofline rates: the same plans on every machine
 TOL = dict(rtol=2e-5, atol=2e-6)
-
-
-def update_step(loss, args, has_aux=False):
-    """XLA's temp bytes and flops of ``loss``'s training step as jaxremat verifies it: the
-    gradient with respect to the first argument's float leaves, consumed by Adam, donated."""
-    opt = optax.adam(1e-3)
-    params, rest = args[0], args[1:]
-
-    def step(p, state, rest):
-        g = jax.grad(loss, has_aux=has_aux)(p, *rest)
-        g = g[0] if has_aux else g
-        updates, state = opt.update(g, state, p)
-        return optax.apply_updates(p, updates), state
-
-    compiled = jr.jit(step, donate_argnums=(0, 1)).lower(params, opt.init(params), rest).compile()
-    return int(compiled.memory_analysis().temp_size_in_bytes), float(compiled.cost_analysis()["flops"])
 
 
 def check_gradients(case, f):
