@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxremat as jr  # noqa: E402
 from jaxremat.model.chain import Chain  # noqa: E402
+from jaxremat.profiling import Rates  # noqa: E402
 from jaxremat.profiling.xla_buffers import shape_bytes  # noqa: E402
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -168,6 +169,34 @@ def explicit(devices) -> dict:
                 temp=int(compiled.memory_analysis().temp_size_in_bytes))
 
 
+def auto_mesh(devices) -> dict:
+    """jaxremat.remat planned inside jit under the legacy ``with mesh:`` (``Auto`` axes, whose
+    traced values carry no sharding), batch-sharded: jaxremat.jit reads the arguments' shardings,
+    so the plan is per device and verified per device; a byte budget under plain jax.jit, where
+    nothing shows the shardings, is refused with what to do."""
+    mesh = Mesh(devices, ("data",))
+    net = nn.Sequential([Block(64) for _ in range(6)])
+    loss = lambda v, x: jnp.mean(net.apply(v, x) ** 2)  # noqa: E731
+    with mesh:
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (64, 32, 64)), NamedSharding(mesh, P("data")))
+        v = jax.device_put(net.init(jax.random.key(0), x), NamedSharding(mesh, P()))
+        ref = jax.jit(jax.value_and_grad(loss))(v, x)
+        fn = jr.remat(loss, "50%", method="xla", policies=NO_OPTIONS, rates=Rates(1e10, 1e10))
+        compiled = jr.jit(jax.value_and_grad(fn)).lower(v, x).compile()  # planned while traced
+        got = compiled(v, x)
+        plan = fn.plan(v, x)  # the same layout: the plan made inside jit
+        try:
+            jax.jit(jax.grad(jr.remat(loss, "1MiB", method="xla", policies=NO_OPTIONS))).lower(v, x)
+            refusal = ""
+        except ValueError as e:
+            refusal = str(e)
+    v_ = plan.verification
+    return dict(err=error(got, ref), devices=plan.costs.devices, predicted=plan.schedule.peak,
+                temp=int(compiled.memory_analysis().temp_size_in_bytes), plans=len(fn._prepared),
+                measured=None if v_ is None else v_.measured_peak, budget=None if v_ is None else v_.budget,
+                report=plan.report(), refusal=refusal)
+
+
 def run(name: str, mesh: Mesh, tensor: bool) -> dict:
     # tensor parallel: a sharding constraint inside each block, profiled as part of the stage
     hidden = NamedSharding(mesh, P("data", None, "model")) if tensor else None
@@ -222,7 +251,8 @@ def main(part: str) -> None:
     devices = np.array(jax.devices())
     assert len(devices) == 8, devices
     if part == "data":
-        out = [run("data parallel", Mesh(devices, ("data",)), False), dict(name="explicit", **explicit(devices))]
+        out = [run("data parallel", Mesh(devices, ("data",)), False), dict(name="explicit", **explicit(devices)),
+               dict(name="auto", **auto_mesh(devices))]
     elif part == "tensor":
         out = [run("tensor parallel", Mesh(devices.reshape(2, 4), ("data", "model")), True)]
     else:

@@ -44,7 +44,7 @@ def test_executed_schedule_stays_within_its_plan():
 
     label, chain, x = CASES["Transformer"]
     v = chain.init(jax.random.key(0), x)
-    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True)
     for share in ("50%", "75%"):
         sched = jr.solve(costs, share)
         # something is really recomputed: a region, or a stage stored under a checkpoint policy
@@ -75,7 +75,7 @@ def test_resnet_schedule_stays_within_its_plan(share, policies):
     chain = Chain.from_linen(zoo.resnet(blocks=(2, 2, 2)))
     x = zoo.sample_input((16, 32, 32, 3))
     v = chain.init(jax.random.key(0), x)
-    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True, policies=policies)
+    costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True, policies=policies)
     sched = jr.solve(costs, max(jr.parse_budget(share, costs), jr.min_budget(costs)))
     if policies == ():
         assert {op[0] for op in sched.ops} >= {"Fck", "Fall"}  # a mix of checkpointed and stored stages
@@ -107,7 +107,7 @@ def test_nested_regions_stay_within_their_plan():
     x = zoo.sample_input((4, 128), "int32")
     chain = Chain.from_linen(zoo.gpt(blocks=12))
     v = chain.init(jax.random.key(0), x)
-    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True, policies={})
+    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True, policies={})
     sched = jr.solve(costs, jr.min_budget(costs), algorithm="optimal")
     assert sum(op.kind == "Fck" for op in sched.ops) > 6  # regions inside regions
     pred = sched.peak - int(costs.x[0])
@@ -133,7 +133,7 @@ def test_recomputation_reads_kernels_before_their_update(monkeypatch):
     chain = Chain.from_linen(zoo.autoencoder(width=16, depth=2))
     x = zoo.sample_input((4, 32, 32, 3))
     v = chain.init(jax.random.key(0), x)
-    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True, policies={})
+    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True, policies={})
     least = jr.solve(costs, jr.min_budget(costs))
     assert sum(op.kind == "Fck" for op in least.ops) >= costs.length  # regions inside regions
     pred = least.peak - int(costs.x[0])
@@ -172,7 +172,7 @@ def test_a_backward_writes_over_its_incoming_cotangent(monkeypatch):
     chain = Chain.from_linen(zoo.resnet(blocks=(2, 2, 2)))
     x = zoo.sample_input((16, 32, 32, 3))
     v = chain.init(jax.random.key(0), x)
-    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True)
     L, x0 = costs.length, int(costs.x[0])
     least = jr.solve(costs, jr.min_budget(costs))
     assert [op.kind for op in least.ops].count("FB") == L
@@ -222,7 +222,7 @@ def test_stored_blocks_make_their_kernel_copies_in_their_backward(monkeypatch):
     x = zoo.sample_input((4, 128), "int32")
     chain = Chain.from_linen(zoo.gpt(blocks=12))
     v = chain.init(jax.random.key(0), x)
-    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True, policies={})
+    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True, policies={})
     sched = jr.solve(costs, None, algorithm="store_all")
     pred = sched.peak - int(costs.x[0])
     assert 0.97 * pred <= step_temp(chain, v, x, sched) <= 1.03 * pred
@@ -305,7 +305,7 @@ def test_a_tap_keeps_no_cotangent_alive():
     chain = Chain.from_linen([TanhDense() for _ in range(16)])
     x = jax.random.normal(jax.random.key(1), (128, 64))
     v = chain.init(jax.random.key(0), x)
-    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True)
+    costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True)
     fwd = [("Fck", 0)] + [("Fn", i) for i in range(1, 11)] + [("Fck", 11), ("Fn", 12), ("Fn", 13), ("Fn", 14),
                                                             ("Fck", 15), ("Loss", 16)]
     back = [("FB", 15), ("Fck", 11), ("Fn", 12), ("Fn", 13), ("FB", 14), ("Fck", 11), ("Fn", 12), ("FB", 13),

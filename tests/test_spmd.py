@@ -63,6 +63,19 @@ def test_planned_inside_jit_under_an_explicit_mesh_is_per_device(findings):
     assert f["devices"] == 8 and f["err"] <= 1e-5 and f["temp"] <= 1.10 * f["predicted"], f
 
 
+def test_planned_inside_jaxremat_jit_under_a_legacy_mesh_is_per_device_and_verified(findings):
+    """``with mesh:`` (Auto axes): jit's traced values carry no sharding (their type says
+    ``P(None, None)`` for a batch-sharded input); jaxremat.jit reads the arguments', so the plan
+    made while it traces is per device (the same one ``fun.plan`` finds from the arrays), and
+    verified per device: XLA's per-device temp of the update step within [0.9, 1.1] of the
+    prediction (0.93, 2026-12-05). Under plain jax.jit a byte budget is refused with what works."""
+    f = findings["auto"]
+    assert f["devices"] == 8 and f["plans"] == 1 and f["err"] <= 1e-5, f
+    assert f["measured"] is not None and f["measured"] <= f["budget"] and "per device" in f["report"], f
+    assert 0.9 <= f["measured"] / f["predicted"] <= 1.1 and f["temp"] <= 1.10 * f["predicted"], f
+    assert "jaxremat.jit(step)" in f["refusal"] and "'50%'" in f["refusal"], f["refusal"]
+
+
 def test_a_budget_between_the_per_device_and_global_peaks_needs_no_remat(findings):
     f = findings["data parallel"]
     assert f["store_all"] < f["between"] < f["global_store_all"] and not f["between_recomputes"]

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from jaxremat.api.plans import Plan, PlanOptions, make_plan, signature
-from jaxremat.core.budgets import Budget
+from jaxremat.core.budgets import Budget, is_share
 from jaxremat.core.costs import ChainCosts
 from jaxremat.model.chain import Chain
 from jaxremat.model.trees import is_sharded, is_traced
@@ -39,26 +39,35 @@ class Planner:
     def plan(self, chain: Chain, variables: Any, sample: Any) -> Plan:
         key = signature(chain, variables, sample)
         if key not in self.plans:
-            warn_if_global(variables, sample)
+            warn_if_global(variables, sample, budget=self.budget)
             with jax.ensure_compile_time_eval():  # may run while the caller's step is traced
                 p = make_plan(chain, variables, sample, self.budget, self.options, self.costs.get(key))
             self.costs[key], self.plans[key] = p.costs, p
         return self.plans[key]
 
 
-def warn_if_global(*trees: Any) -> None:
-    """Warn when a plan is made from traced values on a machine with several devices: inside
-    ``jit`` the arrays' shardings are not visible, so the plan is for global shapes."""
+def warn_if_global(*trees: Any, budget: Budget = None) -> None:
+    """Warn when a plan is made from traced values on a machine with several devices whose
+    shardings are not visible (inside ``jax.jit`` under ``Auto`` mesh axes): the plan is for
+    global shapes. A share of the store-all peak still means the same share per device; a byte
+    budget does not, so it is refused (:class:`ValueError`) with the ways that work."""
     leaves = jax.tree.leaves(trees)
     traced = any(is_traced(leaf) for leaf in leaves)
-    if traced and jax.device_count() > 1 and not is_sharded(trees):
-        warnings.warn(
-            "jaxremat: planning inside jit, where the arrays' shardings are not visible, so the plan is made for "
-            "global shapes, not per device; make it first from your sharded arrays, outside jit: "
-            "jaxremat.plan(model, params, x) (or fun.plan(*args) for jaxremat.remat), or use a mesh with Explicit "
-            "axes (jax.set_mesh), whose shardings jit's traced values carry",
-            stacklevel=4,
+    if not (traced and jax.device_count() > 1 and not is_sharded(trees)):
+        return
+    ways = (
+        "call the step through jaxremat.jit(step) (it reads the shardings of the arrays you pass), make the plan first "
+        "from your sharded arrays outside jit (jaxremat.plan(model, params, x), or fun.plan(*args) for jaxremat.remat), "
+        "or use a mesh with Explicit axes (jax.set_mesh), whose shardings jit's traced values carry"
+    )
+    if budget is not None and not is_share(budget):
+        raise ValueError(
+            f"jaxremat: a byte budget ({budget!r}) is per device, and inside jax.jit on {jax.device_count()} devices "
+            f"the arrays' shardings are not visible, so the plan would be for global shapes; {ways}; or give a share "
+            "of the store-all peak ('50%'), which is the same per device"
         )
+    warnings.warn(f"jaxremat: planning inside jit, where the arrays' shardings are not visible, so the plan is made for "
+                  f"global shapes, not per device; {ways}", stacklevel=4)
 
 
 def plan_options(method: str | None = None, profile: str | None = None, **options: Any) -> PlanOptions:

@@ -31,7 +31,7 @@ from jaxremat.core.units import format_bytes
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical
 from jaxremat.model.identity import leaf_signature
 from jaxremat.model.jaxpr_chain import MAX_STAGES, JaxprChain, find_cuts, trace
-from jaxremat.model.trees import abstract, is_sharded
+from jaxremat.model.trees import abstract, is_sharded, sharding_key, sharding_of
 from jaxremat.profiling.profiler import profile
 from jaxremat.run.executor import execute
 
@@ -100,7 +100,7 @@ def step_measure(
             updates, state = opt.update(g, state, d)
             return value, optax.apply_updates(d, updates), state
 
-        shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in flat]
+        shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_of(s)) for s in flat]
         d, o = [shapes[n] for n in diff], [shapes[n] for n in other]
         state = jax.eval_shape(opt.init, d)
         compiled = jax.jit(as_planned(step), donate_argnums=(0, 1)).lower(d, state, o).compile(compiler_options() or None)
@@ -149,11 +149,13 @@ class RematFunction:
         leaves, tree = jax.tree.flatten(args)
         dynamic = tuple(n for n, leaf in enumerate(leaves) if is_dynamic(leaf))
         static = {n: leaf for n, leaf in enumerate(leaves) if n not in dynamic}
+        # per device or global: the layout is part of what is planned
+        layout = [sharding_key(sharding_of(leaves[n])) for n in dynamic]
         key = json.dumps([leaf_signature([leaves[n] for n in dynamic]), dynamic, str(tree), str(self.stages),
-                          repr(sorted(static.items()))])
+                          repr(sorted(static.items())), layout])
         if key in self._prepared:
             return self._prepared[key]
-        warn_if_global(args)
+        warn_if_global(args, budget=self.budget)
 
         def fun(*dyn: Any) -> Any:  # the function of the traced leaves, the static ones fixed
             full = [static[n] if n in static else None for n in range(len(leaves))]
@@ -204,8 +206,9 @@ class RematFunction:
         o = self.options
         if o.verify is False or o.calibrate or canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
             return plan
-        if is_sharded(flat) or jax.device_count() > 1:
-            # the verification step compiles for one device: not yet per device on a mesh
+        if jax.device_count() > 1 and not is_sharded(flat):
+            # a plan for global shapes on several devices (shardings not visible): nothing to
+            # compile that is the step's per-device program
             return plan
         costs = plan.costs
         target = None if self.budget is None else parse_budget(self.budget, costs)

@@ -26,6 +26,10 @@ REMAT_OPTIONS = {"xla_disable_hlo_passes": PASS}
 
 # Set while jaxremat.jit (or as_planned) traces a function: the step will be compiled with the option.
 _UNDER_PLANNED_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxremat_planned", default=False)
+# Set while jaxremat.jit traces a step called with arrays laid out over several devices: their
+# (shape, dtype, sharding), which jit's traced values do not carry under a mesh with Auto axes
+# (the legacy ``with mesh:``, ``jax.sharding.use_mesh``). See :func:`argument_sharding`.
+_ARGUMENT_SHARDINGS: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxremat_shardings", default=())
 
 
 def compiler_options() -> dict[str, str]:
@@ -57,11 +61,66 @@ def as_planned(fn: Callable) -> Callable:
     return traced
 
 
+def _laid_out(args: Any) -> tuple:
+    """``(shape, dtype, sharding)`` of every concrete leaf of ``args`` on several devices."""
+    found = []
+    for leaf in jax.tree.leaves(args):
+        s = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
+        if s is not None and getattr(s, "num_devices", 1) > 1 and hasattr(s, "shard_shape"):
+            found.append((tuple(leaf.shape), str(leaf.dtype), s))
+    return tuple(found)
+
+
+def argument_sharding(shape: tuple, dtype: Any) -> Any:
+    """The sharding of the step argument shaped ``shape`` and ``dtype`` while
+    :func:`jaxremat.jit` traces the step, or ``None``: no such argument, or several laid out
+    differently. Under ``Auto`` mesh axes jit's traced values carry no sharding; a value with
+    the shape and dtype of exactly one laid-out argument is taken to be laid out as it (the
+    parameters and the batch a step passes on as they came, which is what a plan needs)."""
+    key = (tuple(int(d) for d in shape), str(dtype))
+    found = {id(s): s for sh, dt, s in _ARGUMENT_SHARDINGS.get() if (sh, dt) == key}
+    if len(found) != 1:
+        return None
+    return next(iter(found.values()))
+
+
+class _Jitted:
+    """``jax.jit(fn)`` that, while it traces, knows its concrete arguments' shardings
+    (:func:`argument_sharding`); everything else is the jitted function's."""
+
+    def __init__(self, jitted: Any):
+        self._jitted = jitted
+        functools.update_wrapper(self, jitted)
+
+    def _with_shardings(self, method: Callable, args: tuple, kwargs: dict) -> Any:
+        token = _ARGUMENT_SHARDINGS.set(_laid_out((args, kwargs)))
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _ARGUMENT_SHARDINGS.reset(token)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._with_shardings(self._jitted, args, kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        return self._with_shardings(self._jitted.lower, args, kwargs)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        return self._with_shardings(self._jitted.trace, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._jitted, name)
+
+
 def jit(fn: Callable, **kwargs: Any) -> Callable:
     """``jax.jit`` with :func:`compiler_options` (so a rematerialised step is compiled as
-    planned); other keyword arguments, ``compiler_options`` included, go to ``jax.jit``."""
+    planned); other keyword arguments, ``compiler_options`` included, go to ``jax.jit``.
+
+    Called with arrays laid out on a mesh, the plans made while it traces are per device, also
+    under ``Auto`` mesh axes (``with mesh:``), where ``jax.jit``'s traced values do not say their
+    shardings (:func:`argument_sharding`)."""
     options = {**compiler_options(), **(kwargs.pop("compiler_options", None) or {})}
-    return jax.jit(as_planned(fn), compiler_options=options or None, **kwargs)
+    return _Jitted(jax.jit(as_planned(fn), compiler_options=options or None, **kwargs))
 
 
 def _disables_pass(value: Any) -> bool:
@@ -121,4 +180,4 @@ def warn_unless_planned(stacklevel: int = 3) -> None:
     )
 
 
-__all__ = ["REMAT_OPTIONS", "as_planned", "barriers_survive", "compiler_options", "jit", "remat_is_kept", "warn_unless_planned"]
+__all__ = ["REMAT_OPTIONS", "argument_sharding", "as_planned", "barriers_survive", "compiler_options", "jit", "remat_is_kept", "warn_unless_planned"]

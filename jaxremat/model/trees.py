@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxremat.core.compile import argument_sharding
+
 
 def is_traced(leaf: Any) -> bool:
     """Whether ``leaf`` is a value being traced (inside ``jit``, ``grad``, ...), by its type's
@@ -16,8 +18,8 @@ def is_traced(leaf: Any) -> bool:
 
 
 def _traced_sharding(leaf: Any) -> Any:
-    """A traced value's sharding, where its type carries one (a mesh with ``Explicit`` axes, set
-    with ``jax.set_mesh``), else ``None``. Inside jit only the abstract mesh is known: the
+    """A traced value's sharding, where its type carries one (a mesh with ``Explicit`` axes only,
+    set with ``jax.set_mesh``), else ``None``. Inside jit only the abstract mesh is known: the
     sharding is put on a mesh of the same axes over ``jax.devices()``, which partitions (and so
     sizes) every program the same way, whichever device holds which shard."""
     try:
@@ -27,6 +29,11 @@ def _traced_sharding(leaf: Any) -> Any:
     if not isinstance(s, jax.sharding.NamedSharding) or not isinstance(s.mesh, jax.sharding.AbstractMesh):
         return s if isinstance(s, jax.sharding.NamedSharding) else None
     if s.mesh.empty or s.mesh.size > jax.device_count():
+        return None
+    if any(t != jax.sharding.AxisType.Explicit for t in s.mesh.axis_types):
+        # under Auto axes (the legacy ``with mesh:``) the type's spec says nothing of the
+        # layout: a batch-sharded argument's reads P(None, None), which sized the plan for the
+        # whole batch on every device (7.1 MB predicted, 4.2 used per device)
         return None
     mesh = jax.make_mesh(s.mesh.axis_sizes, s.mesh.axis_names, axis_types=s.mesh.axis_types)
     return jax.sharding.NamedSharding(mesh, s.spec)
@@ -40,9 +47,21 @@ def sharding_of(leaf: Any) -> Any:
         s = getattr(leaf, "sharding", None)
     except Exception:  # noqa: BLE001 - a tracer may refuse to say
         s = None
-    if s is None and is_traced(leaf):  # its type may say
+    if s is None and is_traced(leaf):  # its type may say, or jaxremat.jit's arguments
         s = _traced_sharding(leaf)
+        if s is None:
+            s = argument_sharding(np.shape(leaf), leaf.dtype)
     return s if s is not None and hasattr(s, "shard_shape") and getattr(s, "num_devices", 1) > 1 else None
+
+
+def sharding_key(s: Any) -> str | None:
+    """What of a sharding (or ``None``) a plan depends on, as text: the mesh's axis sizes and
+    the partition spec of a ``NamedSharding`` (not which devices), else its text."""
+    if s is None:
+        return None
+    if isinstance(s, jax.sharding.NamedSharding):
+        return f"{dict(s.mesh.shape)}:{s.spec}"
+    return str(s)
 
 
 def is_sharded(tree: Any) -> bool:
@@ -107,4 +126,4 @@ def check_leaves(tree: Any, what: str) -> None:
             )
 
 
-__all__ = ["itemsize", "abstract", "all_floating", "mesh_devices", "check_leaves", "describe", "is_sharded", "is_traced", "sharding_of", "tree_bytes", "with_shardings"]
+__all__ = ["itemsize", "abstract", "all_floating", "mesh_devices", "check_leaves", "describe", "is_sharded", "is_traced", "sharding_key", "sharding_of", "tree_bytes", "with_shardings"]
