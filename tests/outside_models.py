@@ -34,14 +34,14 @@ HAND = {
 
 def update_step(loss: Callable, args: tuple, has_aux: bool = False) -> tuple[int, float]:
     """XLA's temp bytes and flops of ``loss``'s training step as jaxremat verifies it: the
-    gradient with respect to the first argument's float leaves, consumed by Adam, donated."""
+    gradient with respect to the first argument's float leaves, consumed by Adam, donated, the loss
+    returned (as users log it)."""
     opt = optax.adam(1e-3)
 
     def step(p, state, rest):
-        g = jax.grad(loss, has_aux=has_aux)(p, *rest)
-        g = g[0] if has_aux else g
+        value, g = jax.value_and_grad(loss, has_aux=has_aux)(p, *rest)
         updates, state = opt.update(g, state, p)
-        return optax.apply_updates(p, updates), state
+        return value, optax.apply_updates(p, updates), state
 
     compiled = jr.jit(step, donate_argnums=(0, 1)).lower(args[0], opt.init(args[0]), args[1:]).compile()
     cost = compiled.cost_analysis()

@@ -183,7 +183,8 @@ def test_auto_says_how_it_cut():
     loss, args = dict_case()
     closed, _, _ = trace(loss, args)
     assert find_cuts(closed.jaxpr).how.startswith("before contractions")
-    assert find_cuts(closed.jaxpr).count == 16
+    assert find_cuts(closed.jaxpr).count == 16 + 1  # and the loss, a stage of its own
+    assert find_cuts(closed.jaxpr).names[-1] == "loss" and find_cuts(closed.jaxpr, "bytes").count == 17
 
 
 def test_gradient_with_respect_to_every_input_and_a_reused_plan():
