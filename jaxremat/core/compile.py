@@ -65,7 +65,10 @@ def _laid_out(args: Any) -> tuple:
     """``(shape, dtype, sharding)`` of every concrete leaf of ``args`` on several devices."""
     found = []
     for leaf in jax.tree.leaves(args):
-        s = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
+        try:  # a traced argument (jr.jit called inside another trace) may refuse to say
+            s = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
+        except Exception:  # noqa: BLE001
+            s = None
         if s is not None and getattr(s, "num_devices", 1) > 1 and hasattr(s, "shard_shape"):
             found.append((tuple(leaf.shape), str(leaf.dtype), s))
     return tuple(found)
