@@ -119,9 +119,10 @@ class LinenCNN(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = True):
         for n, f in enumerate((16, 16, 32, 32)):
-            if self.hand is not None:
+            if self.hand is not None:  # named as without it, so the same parameters fit
                 policy = None if self.hand == FULL else self.hand
-                block = nn.remat(ConvBlock, policy=policy, static_argnums=(2,))(f)
+                name = f"{'CheckpointConvBlock' if self.user_remat and n % 2 == 1 else 'ConvBlock'}_{n // 2}"
+                block = nn.remat(ConvBlock, policy=policy, static_argnums=(2,))(f, name=name)
             elif self.user_remat and n % 2 == 1:
                 block = nn.remat(ConvBlock, static_argnums=(2,))(f)
             else:
