@@ -56,9 +56,9 @@ def warn_if_global(*trees: Any, budget: Budget = None) -> None:
     if not (traced and jax.device_count() > 1 and not is_sharded(trees)):
         return
     ways = (
-        "call the step through jaxremat.jit(step) (it reads the shardings of the arrays you pass), make the plan first "
-        "from your sharded arrays outside jit (jaxremat.plan(model, params, x), or fun.plan(*args) for jaxremat.remat), "
-        "or use a mesh with Explicit axes (jax.set_mesh), whose shardings jit's traced values carry"
+        "call the step through jaxremat.jit(step) (it reads the shardings of the arrays you pass), "
+        "make the plan first from your sharded arrays outside jit (jaxremat.plan(model, params, x), "
+        "or fun.plan(*args) for jaxremat.remat), or use a mesh with Explicit axes (jax.set_mesh), whose shardings jit's traced values carry"
     )
     if budget is not None and not is_share(budget):
         raise ValueError(
@@ -66,8 +66,8 @@ def warn_if_global(*trees: Any, budget: Budget = None) -> None:
             f"the arrays' shardings are not visible, so the plan would be for global shapes; {ways}; or give a share "
             "of the store-all peak ('50%'), which is the same per device"
         )
-    warnings.warn(f"jaxremat: planning inside jit, where the arrays' shardings are not visible, so the plan is made for "
-                  f"global shapes, not per device; {ways}", stacklevel=4)
+    warnings.warn("jaxremat: planning inside jit, where the arrays' shardings are not visible, so the plan is "
+                  f"made for global shapes, not per device; {ways}", stacklevel=4)
 
 
 def plan_options(method: str | None = None, profile: str | None = None, **options: Any) -> PlanOptions:
