@@ -58,7 +58,8 @@ def warn_if_global(*trees: Any, budget: Budget = None) -> None:
     ways = (
         "call the step through jaxremat.jit(step) (it reads the shardings of the arrays you pass), "
         "make the plan first from your sharded arrays outside jit (jaxremat.plan(model, params, x), "
-        "or fun.plan(*args) for jaxremat.remat), or use a mesh with Explicit axes (jax.set_mesh), whose shardings jit's traced values carry"
+        "or fun.plan(*args) for jaxremat.remat), or use a mesh with Explicit axes (jax.set_mesh), "
+        "whose shardings jit's traced values carry"
     )
     if budget is not None and not is_share(budget):
         raise ValueError(
