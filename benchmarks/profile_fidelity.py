@@ -78,20 +78,21 @@ def models(scale: int = 1):
     yield "Transformer 4 blocks, width 256, 256 tokens", Chain.from_linen(tf), jnp.ones((b(8), 256, 256))
 
 
-def ratios(label: str, chain: Chain, x) -> list[tuple[str, str, int, int, int]]:
+def ratios(label: str, chain: Chain, x, returning: bool = True) -> list[tuple[str, str, int, int, int | None]]:
     """(label, schedule, XLA temp, predicted, XLA temp of the gradient-returning step) per
-    schedule; XLA temp is that of the update step (:func:`~jaxremat.api.calibrate.update_step`)."""
+    schedule; XLA temp is that of the update step (:func:`~jaxremat.api.calibrate.update_step`).
+    ``returning=False`` leaves the last out (``None``): one compile per schedule instead of two."""
     v = chain.init(jax.random.key(0), x)
     costs = profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True, loss=measured_loss)
     rows = []
     for remat, alg in ((False, "store_all"), (True, "every_stage")):
-        temp, returning = step_temps(chain, v, x, hand_written(chain, remat))
+        temp, ret = step_temps(chain, v, x, hand_written(chain, remat), returning)
         peak, _ = jr.simulate(costs, baselines.FIXED[alg](costs.length))
-        rows.append((label, alg + (" (jax.checkpoint per stage)" if remat else ""), temp, peak - int(costs.x[0]), returning))
+        rows.append((label, alg + (" (jax.checkpoint per stage)" if remat else ""), temp, peak - int(costs.x[0]), ret))
     sched = jr.solve(costs, None, algorithm="every_stage")  # the same schedule through jaxremat's executor
     f = jr.execute(chain, sched)
-    temp, returning = step_temps(chain, v, x, lambda vs, a: f(chain.merge(vs), a)[0])
-    rows.append((label, "every_stage (jaxremat.execute)", temp, sched.peak - int(costs.x[0]), returning))
+    temp, ret = step_temps(chain, v, x, lambda vs, a: f(chain.merge(vs), a)[0], returning)
+    rows.append((label, "every_stage (jaxremat.execute)", temp, sched.peak - int(costs.x[0]), ret))
     return rows
 
 
@@ -107,12 +108,13 @@ def hand_written(chain: Chain, remat: bool):
     return forward
 
 
-def step_temps(chain: Chain, variables, x, forward) -> tuple[int, int]:
+def step_temps(chain: Chain, variables, x, forward, returning: bool = True) -> tuple[int, int | None]:
     """XLA temp of ``forward``'s update step (parameters and Adam state donated), and of the
-    step that returns the loss and gradients instead."""
+    step that returns the loss and gradients instead (``None`` unless ``returning``)."""
     per = chain.split(variables)
     ps = [v.get("params", {}) for v in per]
-    return int(compile_step(forward, per, ps, x).memory_analysis().temp_size_in_bytes), returning_temp(forward, per, ps, x)
+    temp = int(compile_step(forward, per, ps, x).memory_analysis().temp_size_in_bytes)
+    return temp, returning_temp(forward, per, ps, x) if returning else None
 
 
 def returning_temp(forward, per_stage: list, params: list, x) -> int:

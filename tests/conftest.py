@@ -131,3 +131,22 @@ class Noisy(nn.Module):
         x = nn.Dense(16)(x)
         x = nn.BatchNorm(use_running_average=False)(x)
         return nn.Dropout(0.3, deterministic=False)(nn.tanh(x))
+
+
+# Seconds each test file took (2026-12-05, two workers on the 2-core CI machine's kind, one at a
+# time in a file): the files go to the workers longest first, so that the run does not end with
+# one worker on a long file while the other waits (the suite's wall time is what CI limits).
+# xdist's own order (``--loadscope-reorder``: most tests first) put the one-test tensor-parallel
+# file last. A file not listed counts 30 s.
+FILE_SECONDS = {
+    "test_fidelity.py": 630, "test_remat_fn.py": 300, "test_spmd.py": 240, "test_execute.py": 240,
+    "test_outside.py": 230, "test_repeat.py": 200, "test_cli.py": 200, "test_spmd_tensor.py": 135,
+    "test_offload_execute.py": 130, "test_profile.py": 125, "test_options.py": 120, "test_compare.py": 110,
+    "test_gpu_check.py": 100, "test_offload.py": 90, "test_exhaustive.py": 75, "test_readme.py": 45,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (see ``FILE_SECONDS``), each file's tests in their written order."""
+    order = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda item: (-FILE_SECONDS.get(item.path.name, 30), str(item.path), order[id(item)]))

@@ -81,5 +81,5 @@ def test_plan_takes_a_model_that_is_not_a_sequential(tmp_path, monkeypatch, caps
     args = ["plan", "--model", "skipnet:Net", "--input-shape", "32,64", "--method", "xla", "--quiet", "--budget", "50%"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "6 stages cut by Flax module scope" in out and "schedule (optimal)" in out
+    assert "7 stages cut by Flax module scope" in out and "schedule (optimal)" in out
     assert "0:Net/Dense_0" in out

@@ -2,7 +2,7 @@
 
 Asserted here: store-all and every stage checkpointed (hand-written with jax.checkpoint, and run
 by jaxremat's executor, whose recomputation is the contract's FB) within 15% of the prediction on
-the three profile chains (benchmarks/results/profile_fidelity.md), and the executor's on the safe
+the MLP and CNN profile chains (the Transformer too in benchmarks/results/profile_fidelity.md), and the executor's on the safe
 side within 5%.
 """
 
@@ -20,9 +20,11 @@ CASES = {label.split(" ")[0]: (label, chain, x) for label, chain, x in models(sc
 CASES["MLP"] = next(case for case in models(scale=1) if case[0].startswith("MLP"))  # small batches: weights dominate
 
 
-@pytest.mark.parametrize("model", ["MLP", "CNN", "Transformer"])
+# the Transformer's row is the benchmark's (benchmarks/profile_fidelity.py); here it is checked by
+# the tests below that plan it (the suite's time: its row took 100 s of the file's 630)
+@pytest.mark.parametrize("model", ["MLP", "CNN"])
 def test_xla_temp_within_15_percent_of_prediction(model):
-    rows = {row[1]: (row[2], row[3]) for row in ratios(*CASES[model])}
+    rows = {row[1]: (row[2], row[3]) for row in ratios(*CASES[model], returning=False)}
     assert len(rows) == 3
     for alg, (temp, pred) in rows.items():
         assert 0.85 <= temp / pred <= 1.15, (model, alg, temp, pred)
@@ -251,20 +253,20 @@ def test_the_last_stage_is_measured_with_the_loss(monkeypatch):
     chain = Chain.from_linen(zoo.gpt(blocks=2))
     v = chain.init(jax.random.key(0), x)
 
-    def ratios() -> dict:
+    def ratios(cache: bool) -> dict:
         out = {}
-        for loss in (None, measured_loss):
-            costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=False, quiet=True,
+        for loss in (None, measured_loss):  # the cache shares the stages before the last
+            costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=cache, quiet=True,
                                policies={}, loss=loss)
             sched = jr.solve(costs, None, algorithm="store_all")
             out[loss is not None] = step_temp(chain, v, x, sched) / (sched.peak - int(costs.x[0]))
         return out
 
-    ordered = ratios()
+    ordered = ratios(cache=True)
     assert all(0.98 <= r <= 1.02 for r in ordered.values()), ordered
     monkeypatch.setattr(walk, "tied_gradients", lambda apply: apply)
     monkeypatch.setattr(stage, "orders_kernel_reads", lambda rest, a: False)
-    unordered = ratios()
+    unordered = ratios(cache=False)  # monkeypatched: nothing from the cache
     assert 0.98 <= unordered[True] <= 1.02, unordered
     assert unordered[False] > unordered[True] + 0.02, unordered
 

@@ -122,15 +122,16 @@ def equinox_case():
 CASES = {"decoder": decoder_case, "unet": unet_case, "params dict": dict_case, "nnx": nnx_case, "equinox": equinox_case}
 
 
-def _temp(step, args, options=None):
-    return int(step.lower(*args).compile(options).memory_analysis().temp_size_in_bytes)
+def _temp(compiled) -> int:
+    return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gradients_exact_and_memory_as_planned(name):
     loss, args = CASES[name]()
-    ref_l, ref_g = jax.jit(jax.value_and_grad(loss))(*args)
-    plain = _temp(jax.jit(jax.value_and_grad(loss)), args, jr.compiler_options())
+    plain_step = jax.jit(jax.value_and_grad(loss)).lower(*args).compile(jr.compiler_options())
+    ref_l, ref_g = plain_step(*args)
+    plain = _temp(plain_step)
     # fixed rates, so the plans are the same on every machine: with the measured ones, the
     # 16-stage params-dict function at 30% got one of dozens of near-equal plans, a third of
     # which XLA packs with one activation (32 KiB) of fragmentation: 1.12x the plan, the live
@@ -146,13 +147,13 @@ def test_gradients_exact_and_memory_as_planned(name):
         except jr.InfeasibleBudget as e:  # verified: XLA used more than the budget on every schedule tried
             assert budget != "75%" and e.min_budget > e.budget and "measured by XLA" in str(e)
             continue
-        step = jr.jit(jax.value_and_grad(f))
+        step = jr.jit(jax.value_and_grad(f)).lower(*args).compile()  # one compile: run and measured
         got_l, got_g = step(*args)
         np.testing.assert_allclose(got_l, ref_l, rtol=1e-5, atol=1e-6)
         for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         plan = f.plan(*args)
-        temp = _temp(step, args)
+        temp = _temp(step)
         assert temp <= 1.10 * plan.schedule.peak, (budget, temp, plan.schedule.peak)
         if plan.verification is not None:
             assert plan.verification.measured_peak <= plan.schedule.budget  # the update step, verified
@@ -164,7 +165,7 @@ def test_gradients_exact_and_memory_as_planned(name):
                 # (the solver's own plan at that budget: verification may have corrected the plan)
                 own = jr.solve(costs, plan.schedule.budget)
                 blind = jr.solve(costs.without_shared(), plan.schedule.budget)
-                assert own.time <= blind.time and jr.simulate(costs, blind.ops).peak <= blind.peak
+                assert own.time <= blind.time * (1 + 1e-9) and jr.simulate(costs, blind.ops).peak <= blind.peak
                 faster.append(own.time < blind.time)
             except jr.InfeasibleBudget:
                 faster.append(True)  # does not even fit that way
