@@ -79,11 +79,17 @@ def rows_for(key: str) -> tuple[list[str], list[str]]:
 
 def main() -> None:
     keys = sys.argv[1:] or list(CASES)
-    budget_rows, hand_rows = [], []
-    for key in keys:
+    budget_rows: list[str] = []
+    hand_rows: list[str] = []
+    for n, key in enumerate(keys):
         b, h = rows_for(key)
         budget_rows += b
         hand_rows += h
+        write(budget_rows, hand_rows, keys[n + 1 :])  # after each model: a stopped run keeps what it measured
+
+
+def write(budget_rows: list[str], hand_rows: list[str], left: list[str]) -> None:
+    """``benchmarks/results/outside.md`` with the rows so far; ``left``: the models not yet run."""
     lines = [
         "# Verified plans on models written by others",
         "",
@@ -103,9 +109,12 @@ def main() -> None:
         "|---|---|---|---|---|---|",
         *hand_rows,
     ]
+    if left:
+        lines += ["", f"Not yet run (the run was stopped or is still going): {', '.join(left)}."]
     out = Path(__file__).resolve().parent / "results" / "outside.md"
     out.write_text("\n".join(lines) + "\n")
-    print(out.read_text())
+    if not left:
+        print(out.read_text())
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import jaxremat as jr
 
 settings.register_profile(
     "ci",
-    max_examples=int(os.environ.get("JAXREMAT_EXAMPLES", 100)),
+    max_examples=int(os.environ.get("JAXREMAT_EXAMPLES", 50)),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -2,8 +2,8 @@
 
 Asserted here: store-all and every stage checkpointed (hand-written with jax.checkpoint, and run
 by jaxremat's executor, whose recomputation is the contract's FB) within 15% of the prediction on
-the MLP and CNN profile chains (the Transformer too in benchmarks/results/profile_fidelity.md), and the executor's on the safe
-side within 5%.
+the MLP and CNN profile chains (the Transformer's too in benchmarks/results/profile_fidelity.md),
+and the executor's on the safe side within 5%.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class UNet(nn.Module):
 
 
 def decoder_case():
-    m = Decoder()
+    m = Decoder(blocks=3)
     tok = jax.random.randint(jax.random.key(3), (4, 32), 0, 64)
     v = m.init(jax.random.key(0), tok)
 
@@ -140,7 +140,9 @@ def test_gradients_exact_and_memory_as_planned(name):
     # decoder, NNX and equinox cases check the cost model's plans, as before)
     rl = jr.remat(loss, "50%", method="xla", rates=Rates(1e10, 1e10), verify=name in ("unet", "params dict"))
     faster: list[bool] = []
-    for budget in ("30%", "50%", "75%"):
+    # the U-Net at 50% and 75% only: each verified budget compiles its step up to four times (the
+    # suite's time: 150 s with 30% too)
+    for budget in ("50%", "75%") if name == "unet" else ("30%", "50%", "75%"):
         f = rl.with_budget(budget)
         try:
             f.plan(*args)
@@ -179,7 +181,7 @@ def test_auto_says_how_it_cut():
     loss, args = decoder_case()
     closed, _, _ = trace(loss, args)
     assert "Flax module scope" in find_cuts(closed.jaxpr).how
-    assert find_cuts(closed.jaxpr, 2).count == 4 + 4  # two embeddings, four blocks, final norm, head
+    assert find_cuts(closed.jaxpr, 2).count == 4 + 3  # two embeddings, three blocks, final norm, head
     assert "Block_" in find_cuts(closed.jaxpr, r"Block_\d+").names[1]
     loss, args = dict_case()
     closed, _, _ = trace(loss, args)
