@@ -7,10 +7,10 @@ reads XLA's temp memory. Over the budget, the plan is corrected: the working bud
 measured excess and the chain is solved again (:func:`~jaxremat.api.calibrate.calibrated_solve`)
 until a schedule measures within the budget, or :class:`~jaxremat.InfeasibleBudget` names the
 least memory any schedule tried measured. Then the hand strategies that lie in the same
-schedule space (every stage under each store option, every stage checkpointed, ``sqrt(L)``
-segments) and that the cost model says could be faster are compiled too; one that measures
-within the budget with fewer compiled flops replaces the plan. The plan is never worse than a
-hand strategy it could have been.
+schedule space (every stage under each store option, every stage or every ``k`` stages
+checkpointed, ``sqrt(L)`` segments) and that the cost model says could be faster are compiled
+too; one that measures within the budget with fewer compiled flops replaces the plan. The plan
+is never worse than a hand strategy it could have been.
 """
 
 from __future__ import annotations
@@ -88,9 +88,14 @@ class Verification:
 def hand_strategies(costs: ChainCosts) -> dict[str, list[Op]]:
     """The strategies people write by hand that are schedules of this chain: every stage stored
     under each store option (``jax.checkpoint(block, policy)`` on every block), every stage
-    checkpointed (``jax.checkpoint`` on every block) and ``sqrt(L)`` segments."""
+    checkpointed (``jax.checkpoint`` on every block), every ``k`` stages checkpointed for ``k`` of
+    2-4 (``jax.checkpoint`` on a block that is several stages: a transformer block cut before
+    each contraction) and ``sqrt(L)`` segments."""
     L = costs.length
-    found: dict[str, list[Op]] = {"every stage checkpointed": baselines.every_stage(L), "sqrt segments": baselines.sqrt_segments(L)}
+    found: dict[str, list[Op]] = {"every stage checkpointed": baselines.every_stage(L)}
+    for k in range(2, min(4, L - 1) + 1):
+        found[f"every {k} stages checkpointed"] = baselines.segments(L, list(range(0, L, k)))
+    found["sqrt segments"] = baselines.sqrt_segments(L)
     names = sorted({costs.option(i, k).name for i in range(L) for k in range(1, costs.option_count(i))})
     for name in names:
         picks = []

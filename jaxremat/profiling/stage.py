@@ -17,7 +17,7 @@ from jaxremat.model.kernel_reads import orders_kernel_reads, reads_after_cotange
 from jaxremat.model.stage import Stage, convolves
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
 from jaxremat.profiling.rates import Rates
-from jaxremat.profiling.timing import Program, StageTimes
+from jaxremat.profiling.timing import Program, StageTimes, option_time, roofline_floor
 from jaxremat.profiling.xla_buffers import bytes_kept_across_barrier, fused_bytes, transient_bytes
 
 
@@ -326,8 +326,13 @@ def profile_stage(
     if method == "xla":
         assert rates is not None
         roof = lambda flops, nbytes: max(flops / rates.flops, nbytes / rates.bandwidth)  # noqa: E731
-        ft, bt, fbt = roof(ff, fbytes), roof(bf, bb), roof(fbf, fbb)
-        opt_t = {name: roof(*c) for name, c in costs.items()}
+        ft, bt = roof(ff, fbytes), roof(bf, bb)
+        # FB and the policies' backwards run the backward's work and more: never priced below
+        # it; a policy's backward recomputes part of what FB does: never priced above FB
+        fbt = roofline_floor(roof(fbf, fbb), bt, ft, fbf, ff, bf)
+        opt_t = {
+            name: option_time(roofline_floor(roof(*c), bt, ft, c[0], ff, bf), bt, fbt) for name, c in costs.items()
+        }
     else:
         backwards = {"backward": _from_residuals(pullback)}
         backwards.update({f"backward under {name}": _from_residuals(o[3]) for name, o in opts.items()})

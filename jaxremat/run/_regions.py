@@ -52,7 +52,7 @@ tap.defvjp(_tap_fwd, _tap_bwd)
 
 def tied_checkpoint(
     body: RegionBody, *, offload: bool = False, inner: Collection[Any] = (), direct_cotangent: bool = True,
-    ordered: bool = False, waits: bool = False, tapped: bool = False,
+    ordered: bool = False, waits: bool = False, tapped: bool = False, stages: int = 1,
 ) -> Callable[..., tuple[Any, dict, jax.Array]]:
     """``body(variables, keys, a, token, tap) -> (out, updates, mark)`` keeping only its inputs
     for the backward pass, where it is recomputed once the output's cotangent has arrived.
@@ -60,6 +60,8 @@ def tied_checkpoint(
     keys of ``variables`` that regions inside ``body`` own (their gradients have passed those
     regions' barriers already). ``direct_cotangent=False``: the backward reads the incoming
     cotangent as the barrier returns it (the region holding the chain's last stage; see below).
+    ``stages``: how many stages the region holds; more than one, its recomputation waits for the
+    cotangent by data dependence (see the comment at ``tie``).
 
     ``jax.checkpoint``'s recomputation depends only on the saved input, so XLA may schedule it
     as early as it likes (before later stages' backward has freed their memory); here the saved
@@ -146,12 +148,12 @@ def tied_checkpoint(
             res = (*res[:2], to_device(res[2]))
         # g[2]: the token's cotangent, from the next region once its weight gradients are made
         # a region whose saved input is parameters alone (a jaxpr chain's first stage reads the
-        # function's inputs as parameters, its activation is empty) passes one element of the
-        # cotangent too (below: what keeps it in the barrier)
+        # function's inputs as parameters, its activation is empty), or that holds more than one
+        # stage, passes one element of the cotangent too (below: what keeps it in the barrier)
         # (one device only: on an Explicit mesh, slicing the sharded cotangent to one element
         # fails when the step is transformed; untied there, as before)
         empty = not any(jnp.issubdtype(jnp.result_type(x), jnp.inexact) and jnp.size(x) for x in jax.tree.leaves(res[2]))
-        tie = direct_cotangent and empty and jax.device_count() == 1
+        tie = direct_cotangent and (empty or stages > 1) and jax.device_count() == 1
         arrived = element_now(g[0]) if tie else None
         owned, keys, a, g_out, token, arrived = lax.optimization_barrier((*res, g[0], g[2], arrived))
         if direct_cotangent:
@@ -186,8 +188,15 @@ def tied_checkpoint(
             # barrier, and the recomputation reading its outputs, wait for the cotangent. Without,
             # XLA ran the recomputations of nested regions side by side: a 12-layer MLP written
             # as a Python loop, recompute_all, 25 MiB where 4 were planned (4.0 with the tie);
-            # tying the saved inputs instead copied them (5.3). Regions with an activation keep
-            # the order without it (tied, a conv autoencoder's least plan went 1.00 -> 1.10x).
+            # tying the saved inputs instead copied them (5.3). A region of several stages needs
+            # it too: the recomputation of the stages before its last reads no cotangent, and
+            # XLA ran it in the forward pass, right after the first forward of those stages, and
+            # held its results until the backward (a 12-layer loop MLP's 50% plan, stages 3-6 a
+            # region followed by stored stages: 29.25 MiB where 18.25 were planned; tied, 19.25).
+            # A region of one stage keeps the order without it: tied too, a 4-block
+            # transformer's 30% plan (two one-stage regions) packed an 8 MiB hole into XLA's heap
+            # at the same live bytes (1.09x the plan against 1.005x), and a conv autoencoder's
+            # least plan once went 1.00 -> 1.10x.
             mine = after(mine, arrived)
         if ordered:
             # the cotangent leaves as it was made, so nothing orders the reads of this region's

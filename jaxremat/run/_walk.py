@@ -125,7 +125,7 @@ class Walker:
         offload = env is None and ("a", unit.start) in self.offloaded
         region = tied_checkpoint(
             body, offload=offload, inner=inner, direct_cotangent=unit.stop < self.L, ordered=token is not None,
-            waits=waits, tapped=tap_at is not None,
+            waits=waits, tapped=tap_at is not None, stages=unit.stop - unit.start,
         )
         a, local, token = region(owned, owned_keys, a, token)
         updates.update(local)
