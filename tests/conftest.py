@@ -139,10 +139,10 @@ class Noisy(nn.Module):
 # limits). xdist's own order (``--loadscope-reorder``: most tests first) put the one-test
 # tensor-parallel file last. A file not listed counts 30 s.
 FILE_SECONDS = {
-    "test_fidelity.py": 390, "test_remat_fn.py": 200, "test_spmd.py": 175, "test_outside.py": 175,
-    "test_cli.py": 145, "test_repeat.py": 125, "test_execute.py": 110, "test_offload_execute.py": 100,
-    "test_spmd_tensor.py": 90, "test_gpu_check.py": 70, "test_compare.py": 60, "test_profile.py": 45,
-    "test_offload.py": 35,
+    "test_fidelity.py": 375, "test_remat_fn.py": 210, "test_spmd.py": 140, "test_outside.py": 135,
+    "test_cli.py": 135, "test_offload_execute.py": 130, "test_repeat.py": 125, "test_execute.py": 120,
+    "test_spmd_tensor.py": 90, "test_profile.py": 85, "test_gpu_check.py": 70, "test_compare.py": 65,
+    "test_options.py": 55, "test_calibrate.py": 35, "test_offload.py": 35, "test_exhaustive.py": 35,
 }
 
 

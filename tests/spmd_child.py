@@ -25,7 +25,7 @@ from jaxremat.profiling import Rates  # noqa: E402
 from jaxremat.profiling.xla_buffers import shape_bytes  # noqa: E402
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-# Store options (checkpoint policies) are profiled for each mesh's Repeat (a tensor-parallel block
+# Store options (checkpoint policies) are profiled for the tensor-parallel mesh's Repeat (a block
 # under a policy inside a selective loop is the case nearest its bound); the other entry points
 # plan without them, which halves their profiles (the suite's time: the main rows' profile took
 # 113 s of the data-parallel process's 450 with them).
@@ -126,8 +126,11 @@ def repeated(mesh: Mesh, tensor: bool, x) -> dict:
     v = place(net.init(jax.random.key(0), x), mesh, tensor)
     loss = lambda apply: (lambda v, x: jnp.mean(apply(v, x) ** 2))  # noqa: E731
     plain = jax.jit(jax.value_and_grad(loss(net.apply))).lower(v, x).compile(jr.compiler_options())
-    model = jr.remat_chain("50%", method="xla")(net)
-    plan = jr.plan(model, v, x, costs=jr.profile(Chain.from_linen(net), v, x, method="xla", cache=False, quiet=True))
+    # store options on the tensor-parallel mesh only (see NO_OPTIONS)
+    policies = None if tensor else NO_OPTIONS
+    model = jr.remat_chain("50%", method="xla", policies=policies)(net)
+    plan = jr.plan(model, v, x, costs=jr.profile(Chain.from_linen(net), v, x, method="xla", cache=False, quiet=True,
+                                                  policies=policies))
     compiled = jr.jit(jax.value_and_grad(loss(model.apply))).lower(v, x).compile()
     return dict(err=error(compiled(v, x), plain(v, x)), predicted=plan.schedule.peak, devices=plan.costs.devices,
                 temp=int(compiled.memory_analysis().temp_size_in_bytes), loops=" while(" in compiled.as_text(),

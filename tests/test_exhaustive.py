@@ -104,7 +104,7 @@ def test_dp_is_optimal_among_persistent_schedules_with_shared_values():
     sequence does, and is never slower than planning as if nothing were shared."""
     rng = np.random.default_rng(5)
     checked = faster = 0
-    for trial in range(40):
+    for trial in range(24):
         costs = _shared_chain(rng)
         lo, hi = jr.min_budget(costs, slots=4000), jr.store_all_peak(costs)
         for budget in sorted({lo, (2 * lo + hi) // 3, (lo + 2 * hi) // 3}):
@@ -121,7 +121,7 @@ def test_dp_is_optimal_among_persistent_schedules_with_shared_values():
             faster += opt.time < blind - 1e-9
             checked += 1
     print(f"\n{checked} budgets, sharing-aware DP faster on {faster}")
-    assert checked >= 90 and faster >= 10, (checked, faster)
+    assert checked >= 70 and faster >= 8, (checked, faster)
 
 
 def test_persistent_search_matches_the_dp_without_shared_values():

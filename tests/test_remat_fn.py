@@ -11,7 +11,9 @@ import pytest
 from flax import nnx
 
 import jaxremat as jr
-from jaxremat.model.jaxpr_chain import find_cuts, trace
+from jaxremat.api import verify as verify_mod
+from jaxremat.core.ops import OpKind
+from jaxremat.model.jaxpr_chain import crossing_bytes, find_cuts, trace
 from jaxremat.profiling import Rates
 
 
@@ -185,9 +187,39 @@ def test_auto_says_how_it_cut():
     assert "Block_" in find_cuts(closed.jaxpr, r"Block_\d+").names[1]
     loss, args = dict_case()
     closed, _, _ = trace(loss, args)
-    assert find_cuts(closed.jaxpr).how.startswith("before contractions")
+    assert find_cuts(closed.jaxpr).how.startswith("at contractions")
     assert find_cuts(closed.jaxpr).count == 16 + 1  # and the loss, a stage of its own
     assert find_cuts(closed.jaxpr).names[-1] == "loss" and find_cuts(closed.jaxpr, "bytes").count == 17
+
+
+def test_a_pre_norm_residual_block_is_cut_where_only_the_residual_stream_crosses():
+    # layer norm between one block's last matmul and the next block's first: cut right before
+    # the matmul, the residual stream and its normalised copy cross (two activations), and
+    # "jax.checkpoint on every block" is no schedule of the chain
+    def loss(ws, x):
+        for up, down in ws:
+            h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+            x = x + jnp.tanh(h @ up) @ down
+        return jnp.mean(x**2)
+
+    k = jax.random.split(jax.random.key(0), 9)
+    ws = [(jax.random.normal(k[2 * n], (32, 64)) / 6, jax.random.normal(k[2 * n + 1], (64, 32)) / 8) for n in range(4)]
+    x = jax.random.normal(k[8], (16, 32))
+    closed, _, _ = trace(loss, (ws, x))
+    cuts, crossing = find_cuts(closed.jaxpr), crossing_bytes(closed.jaxpr)
+    stream = 16 * 32 * 4
+    # every block after the first starts where only the residual stream crosses
+    assert sum(int(crossing[b]) == stream for b in cuts.bounds[1:-1]) >= 3, [int(crossing[b]) for b in cuts.bounds]
+
+
+def test_every_k_stages_starts_where_the_blocks_do():
+    # a prologue stage, then blocks of two stages whose boundaries keep one activation (the
+    # chain of the test above): the hand strategy checkpoints the blocks, not the halves
+    costs = jr.ChainCosts(x=[4, 4, 16, 4, 16, 4, 16, 4, 1], xbar=[8, 20, 8, 20, 8, 20, 8, 2],
+                          fwd=[1.0] * 8, bwd=[2.0] * 8, fwd_tmp=[0] * 8, bwd_tmp=[0] * 8)
+    ops = verify_mod.hand_strategies(costs)["every 2 stages checkpointed"]
+    starts = [op.stage for op in ops if op.kind == OpKind.FCK]
+    assert starts == [0, 1, 3, 5, 7], starts
 
 
 def test_gradient_with_respect_to_every_input_and_a_reused_plan():

@@ -8,7 +8,7 @@ measured excess and the chain is solved again (:func:`~jaxremat.api.calibrate.ca
 until a schedule measures within the budget, or :class:`~jaxremat.InfeasibleBudget` names the
 least memory any schedule tried measured. Then the hand strategies that lie in the same
 schedule space (every stage under each store option, every stage or every ``k`` stages
-checkpointed, ``sqrt(L)`` segments) and that the cost model says could be faster are compiled
+checkpointed, ``sqrt(L)`` segments) and that the profile predicts to run fewer flops are compiled
 too; one that measures within the budget with fewer compiled flops replaces the plan. The plan
 is never worse than a hand strategy it could have been.
 """
@@ -24,11 +24,11 @@ from jaxremat.api.calibrate import calibrated_solve
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.ops import Op, OpKind
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
-from jaxremat.core.simulator import simulate
+from jaxremat.core.simulator import predicted_flops, simulate
 from jaxremat.core.units import format_bytes
 from jaxremat.solvers import baselines
 
-#: At most this many hand strategies are compiled per plan (those the cost model ranks fastest).
+#: At most this many hand strategies are compiled per plan (those predicted to run the fewest flops).
 HAND_COMPILES = 2
 #: A hand strategy predicted above the budget by more than this factor is not compiled: the
 #: cost model overestimates XLA by a few percent, not by more.
@@ -94,7 +94,10 @@ def hand_strategies(costs: ChainCosts) -> dict[str, list[Op]]:
     L = costs.length
     found: dict[str, list[Op]] = {"every stage checkpointed": baselines.every_stage(L)}
     for k in range(2, min(4, L - 1) + 1):
-        found[f"every {k} stages checkpointed"] = baselines.segments(L, list(range(0, L, k)))
+        # the phase whose boundaries keep the fewest bytes: where the user's blocks start when
+        # the chain repeats a k-stage block after a prologue (a layer norm cut off the first)
+        phase = min(range(k), key=lambda p: (sum(int(costs.x[s]) for s in range(p, L, k)), p))
+        found[f"every {k} stages checkpointed"] = baselines.segments(L, list(range(phase, L, k)))
     found["sqrt segments"] = baselines.sqrt_segments(L)
     names = sorted({costs.option(i, k).name for i in range(L) for k in range(1, costs.option_count(i))})
     for name in names:
@@ -153,14 +156,21 @@ def verify(
     checks: list[HandCheck] = []
     if compare_hand and target is not None:
         ranked = []
+        # what a hand strategy is judged by is what the plan is judged by: compiled flops, so
+        # candidates are ranked by the flops the profile predicts where it has them. The time
+        # model alone can rank a policy below checkpointing (on the CPU's roofline, a policy's
+        # backward re-runs memory-bound element-wise work priced near a whole recomputation;
+        # "every block under dots_saveable" was never compiled on an NNX transformer, 2026-12-05)
+        own = predicted_flops(costs, schedule.ops)
         for name, ops in hand_strategies(costs).items():
             peak, t = simulate(costs, ops)
-            # once a schedule fits, only strategies the cost model says are faster; before, any
-            # that might fit, the least memory first
-            # (nothing fitting yet, any strategy is worth a compile, the least memory first)
+            flops = predicted_flops(costs, ops)
+            cost, mine = (flops, own) if flops is not None and own is not None else (t, schedule.time)
+            # once a schedule fits, only strategies predicted cheaper; before, any that might
+            # fit, the least memory first
             close = peak <= HAND_SLACK * target or not fits
-            if tuple(ops) != tuple(schedule.ops) and close and (not fits or t < schedule.time * (1 + 1e-9)):
-                ranked.append((t if fits else peak, name, ops, peak))
+            if tuple(ops) != tuple(schedule.ops) and close and (not fits or cost < mine * (1 + 1e-9)):
+                ranked.append((cost if fits else peak, name, ops, peak))
         for _, name, ops, peak in sorted(ranked, key=lambda r: r[0])[:HAND_COMPILES]:
             hand = Schedule.from_ops(costs, ops, budget=target, algorithm=name)
             m = measured(hand)

@@ -1,5 +1,5 @@
 """Where to cut a jaxpr into stages: by Flax module scope, by ``checkpoint_name`` markers, or
-before the contractions where the fewest bytes cross (:func:`find_cuts`), with the jaxpr
+once per contraction where the fewest bytes cross (:func:`find_cuts`), with the jaxpr
 helpers the chain shares (:mod:`jaxremat.model.jaxpr_chain`)."""
 
 from __future__ import annotations
@@ -175,11 +175,25 @@ def crossing_bytes(jaxpr: Any) -> np.ndarray:
 
 
 def bytes_cuts(jaxpr: Any, max_stages: int) -> Cuts | None:
-    """Cut before contractions (matmuls, convolutions) where the fewest bytes cross, at most
-    ``max_stages`` stages."""
+    """One cut per contraction (matmul, convolution), at most ``max_stages`` stages, each placed
+    where the fewest bytes cross between the contraction before it and it (the latest such
+    place: right before the contraction unless fewer bytes cross earlier).
+
+    Why not always right before the contraction: in a pre-norm residual block the layer norm
+    sits between the previous block's last matmul and this block's first, and right before the
+    matmul both the residual stream and its normalised copy cross. Cut there, no stage boundary
+    holds the residual stream alone, so the hand strategy "``jax.checkpoint`` on every block"
+    (which keeps the block's input, one activation) is no schedule of the chain, and a plan at
+    its memory needed 4-7% more flops (NNX and equinox transformers, ``benchmarks/outside.py``,
+    2026-12-05). Cut after the residual add, every block boundary is a stage boundary."""
     eqns = jaxpr.eqns
     cb = crossing_bytes(jaxpr)
-    cands = [n for n, e in enumerate(eqns) if e.primitive.name in CONTRACTIONS and n > 0]
+    heavy = [n for n, e in enumerate(eqns) if e.primitive.name in CONTRACTIONS]
+    # between two contractions, the place where the fewest bytes cross (ties: the later). What
+    # comes before the first contraction (an embedding, the first block's norm) is the first
+    # stage's: cut off, its output would be kept beside the function's input, which the first
+    # block's "jax.checkpoint" keeps alone (one activation more than the hand policy)
+    cands = [min(range(a + 1, b + 1), key=lambda n: (cb[n], -n)) for a, b in zip(heavy, heavy[1:])]
     if not cands:
         return None
     if len(cands) >= max_stages:
@@ -187,7 +201,7 @@ def bytes_cuts(jaxpr: Any, max_stages: int) -> Cuts | None:
     bounds = tuple(sorted({0, *cands})) + (len(eqns),)
     if len(bounds) < 3:
         return None
-    return Cuts(bounds, "before contractions, where the fewest bytes cross", tuple(f"eqn {b}" for b in bounds[:-1]))
+    return Cuts(bounds, "at contractions, where the fewest bytes cross", tuple(f"eqn {b}" for b in bounds[:-1]))
 
 
 def with_loss_stage(jaxpr: Any, cuts: Cuts, max_stages: int) -> Cuts:
@@ -227,7 +241,7 @@ def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES) ->
     """The stages of ``jaxpr``'s equations.
 
     ``stages``: ``"auto"`` (the Flax module-scope depth with the most stages up to
-    ``max_stages``; else ``checkpoint_name`` markers; else cuts before contractions; with
+    ``max_stages``; else ``checkpoint_name`` markers; else one cut per contraction; with
     ``"bytes"`` too, the loss after the last contraction a stage of its own), an int
     (a module-scope depth), ``"names"`` (``checkpoint_name`` markers), ``"bytes"``, or a regular
     expression over module paths (``r"blocks_\\d+"``). ``ValueError`` saying what was found when

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxremat.run._names import fresh_names
 from jaxremat.run._offload import to_device, to_host
 
 RegionBody = Callable[[dict, dict, Any, Any, Any], tuple[Any, dict, Any]]
@@ -136,13 +137,16 @@ def tied_checkpoint(
     """
 
     @jax.custom_vjp
+    @fresh_names
     def region(owned: dict, keys: dict, a: Any, token: jax.Array | None) -> tuple[Any, dict, jax.Array]:
         out, updates, _ = body(owned, keys, a, token, None)
         return lax.optimization_barrier(out), updates, order_token()
 
+    @fresh_names
     def fwd(owned: dict, keys: dict, a: Any, token: jax.Array | None) -> tuple[tuple[Any, dict, jax.Array], tuple]:
         return region(owned, keys, a, token), (owned, keys, to_host(a) if offload else a)
 
+    @fresh_names
     def bwd(res: tuple, g: tuple[Any, Any, jax.Array]) -> tuple:
         if offload:
             res = (*res[:2], to_device(res[2]))
