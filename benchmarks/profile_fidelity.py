@@ -148,8 +148,8 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {l} | {a} | {jr.format_bytes(p)} | {jr.format_bytes(t)} | {t / p:.3f} | {jr.format_bytes(r)} | {r / p:.3f} |"
-        for l, a, t, p, r in rows
+        f"| {m} | {a} | {jr.format_bytes(p)} | {jr.format_bytes(t)} | {t / p:.3f} | {jr.format_bytes(r)} | {r / p:.3f} |"
+        for m, a, t, p, r in rows
     ]
     lines += [
         "",

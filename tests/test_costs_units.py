@@ -53,6 +53,10 @@ def test_costs_round_trip_and_equality():
     assert jr.ChainCosts(**good()).fb_reuse.tolist() == [0, 0]
     with pytest.raises(ValueError, match="missing field"):
         jr.ChainCosts.from_dict({"x": [1]})
+    # every field counts: per-device sizes and the flops are part of what the costs say
+    assert jr.ChainCosts(**good(), devices=8) != jr.ChainCosts(**good())
+    flops = jr.ChainCosts(**good(), fwd_flops=[1.0, 2.0], bwd_flops=[2.0, 4.0])
+    assert flops != jr.ChainCosts(**good()) and jr.ChainCosts.from_dict(flops.to_dict()) == flops
 
 
 @pytest.mark.parametrize(

@@ -232,8 +232,8 @@ def test_options_and_fb_run_exactly_with_dropout_and_batch_stats():
     ]
     for ops in schedules:
         f = execute(chain, jr.Schedule.from_ops(costs, ops, budget=None, algorithm="optimal"))
-        (l, u), g = grads(f)
-        np.testing.assert_allclose(l, ref_l, rtol=1e-6)
+        (value, u), g = grads(f)
+        np.testing.assert_allclose(value, ref_l, rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, ref_g)
         for i, new in ref_u.items():
             jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), u[i], new)

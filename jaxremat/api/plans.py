@@ -27,7 +27,9 @@ from jaxremat.run.executor import execute
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical, solve
 
 FORMAT = "jaxremat-plan"
-VERSION = 7  # 7: unread output bytes; 2: signatures from jaxremat.model.identity; 3: store options and FB; 4: offloading (bandwidth); 5: shared values, held bytes; 6: fb_reuse
+# 7: unread output bytes; 2: signatures from jaxremat.model.identity; 3: store options and FB; 4: offloading
+# (bandwidth); 5: shared values, held bytes; 6: fb_reuse
+VERSION = 7
 READS = (2, 3, 4, 5, 6, 7)  # each version's plans are the next's without its additions
 
 

@@ -183,4 +183,7 @@ def warn_unless_planned(stacklevel: int = 3) -> None:
     )
 
 
-__all__ = ["REMAT_OPTIONS", "argument_sharding", "as_planned", "barriers_survive", "compiler_options", "jit", "remat_is_kept", "warn_unless_planned"]
+__all__ = [
+    "REMAT_OPTIONS", "argument_sharding", "as_planned", "barriers_survive", "compiler_options", "jit", "remat_is_kept",
+    "warn_unless_planned",
+]

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -186,9 +186,15 @@ class ChainCosts:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ChainCosts):
             return NotImplemented
-        return self.names == other.names and self.options == other.options and self.shared == other.shared and np.array_equal(self.held, other.held) and np.array_equal(self.fb_reuse, other.fb_reuse) and np.array_equal(self.unread, other.unread) and all(
-            np.array_equal(getattr(self, f), getattr(other, f)) for f in FIELDS + V2_FIELDS
-        )
+        # every field, so that a new one cannot be left out (arrays by value, ``None`` equal to ``None``)
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                if a is None or b is None or not np.array_equal(a, b):
+                    return False
+            elif a != b:
+                return False
+        return True
 
     def __hash__(self) -> int:
         return hash(tuple(getattr(self, f).tobytes() for f in FIELDS + V2_FIELDS))

@@ -189,11 +189,13 @@ def bytes_cuts(jaxpr: Any, max_stages: int) -> Cuts | None:
     eqns = jaxpr.eqns
     cb = crossing_bytes(jaxpr)
     heavy = [n for n, e in enumerate(eqns) if e.primitive.name in CONTRACTIONS]
-    # between two contractions, the place where the fewest bytes cross (ties: the later). What
-    # comes before the first contraction (an embedding, the first block's norm) is the first
-    # stage's: cut off, its output would be kept beside the function's input, which the first
-    # block's "jax.checkpoint" keeps alone (one activation more than the hand policy)
-    cands = [min(range(a + 1, b + 1), key=lambda n: (cb[n], -n)) for a, b in zip(heavy, heavy[1:])]
+    # between two contractions, the place where the fewest bytes cross (ties: the later); before
+    # the first, right before it. (Merging what comes before the first contraction into the first
+    # stage instead, as the first block's "jax.checkpoint" does, changed nothing on an NNX
+    # transformer and left an equinox transformer's 75% plan 1.3-2 MiB under XLA through four
+    # corrections, 2026-12-05.)
+    cands = heavy[:1] + [min(range(a + 1, b + 1), key=lambda n: (cb[n], -n)) for a, b in zip(heavy, heavy[1:])]
+    cands = [n for n in cands if n > 0]
     if not cands:
         return None
     if len(cands) >= max_stages:

@@ -218,5 +218,5 @@ def periodic_schedules(
 
 
 __all__ = [
-    "COMPILE_TOLERANCE", "MAX_PERIOD", "compile_rank", "is_selective", "loop_costs", "patterns", "periodic_schedules", "periodic_tree", "selective", "solve_periodic",
+    "COMPILE_TOLERANCE", "MAX_PERIOD", "compile_rank", "loop_costs", "patterns", "periodic_schedules", "periodic_tree", "selective", "solve_periodic",
 ]

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxremat.api.calibrate import calibrated_solve, compile_step, measured_optimizer, training_step
+from jaxremat.api.calibrate import calibrated_solve, compile_step, measured_optimizer
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import stage_rngs
 from jaxremat.model.trees import tree_bytes
