@@ -4,6 +4,7 @@ import jax
 import numpy as np
 
 import jaxremat as jr
+from jaxremat.api.calibrate import training_step
 from jaxremat.tools import bench, compare
 from jaxremat.tools.models import SAMPLES, mixer, sample_input
 from jaxremat.profiling import Rates
@@ -23,9 +24,9 @@ def test_every_manual_strategy_gives_the_plain_loss_and_gradients():
     assert {"no remat", "remat every block", "checkpoint whole chain",
             "policy dots_saveable", "policy dots_with_no_batch_dims_saveable", "policy nothing_saveable"} <= set(strategies)
     assert "checkpoint every 2 blocks (sqrt L)" in strategies and "checkpoint every 3 blocks" in strategies
-    ref_loss, ref_grads = jax.jit(compare.training_step(strategies["no remat"], per))(params, x)
+    ref_loss, ref_grads = jax.jit(training_step(strategies["no remat"], per))(params, x)
     for name, fwd in strategies.items():
-        loss, grads = jax.jit(compare.training_step(fwd, per), compiler_options=jr.compiler_options())(params, x)
+        loss, grads = jax.jit(training_step(fwd, per), compiler_options=jr.compiler_options())(params, x)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=name)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
