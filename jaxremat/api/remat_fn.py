@@ -22,6 +22,7 @@ import optax
 from jaxremat.api.calibrate import measured_loss, measured_optimizer
 from jaxremat.api.planner import plan_options, warn_if_global
 from jaxremat.api.plans import Plan, PlanOptions, make_plan
+from jaxremat.api.user_blocks import user_blocks
 from jaxremat.api.verify import Measured, verify
 from jaxremat.core.budgets import Budget, parse_budget
 from jaxremat.core.compile import as_planned, compiler_options
@@ -166,26 +167,30 @@ class RematFunction:
         with jax.ensure_compile_time_eval():  # may run while the caller's step is traced
             dyn = tuple(leaves[n] for n in dynamic)
             closed, in_tree, out_tree = trace(fun, dyn)
-            flat = [abstract(x) for x in dyn]
-            if not any(jnp.issubdtype(s.dtype, jnp.inexact) for s in flat):
-                raise TypeError(
-                    "jaxremat.remat: the function has no input that can carry a gradient (no float arrays); "
-                    "remat plans what a gradient keeps, so give it the parameters or data to differentiate"
-                )
-            traced = JaxprChain(closed, find_cuts(closed.jaxpr, self.stages, self.max_stages))
-            variables = traced.variable_shapes(flat)
-            costs = self._costs.get(key)
-            if costs is None:
-                costs = profile(traced.chain, variables, (), method=self.options.method, policies=self.options.policies,
-                                **self.options.profile_options)
-                x = np.array(costs.x)
-                x[0] = traced.context_bytes  # held for the whole step, as a_0 is
-                costs = with_shared(dataclasses.replace(costs, x=x), traced)
-                self._costs[key] = costs
-            plan = make_plan(traced.chain, variables, (), self.budget, self.options, costs, verified=False)
-            # the first argument's traced leaves: what the verification step differentiates
-            first = sum(1 for n in dynamic if n < len(jax.tree.leaves(args[0]))) if args else 0
-            plan = self._verified(plan, traced, flat, first)
+        # the verification outside that context: its eager constant folding changes the program
+        # the step compiles to (an NNX transformer's step measured 16 KiB more inside it than the
+        # user's step does, 2026-12-05); the profile's timing runs programs on concrete arrays
+        flat = [abstract(x) for x in dyn]
+        if not any(jnp.issubdtype(s.dtype, jnp.inexact) for s in flat):
+            raise TypeError(
+                "jaxremat.remat: the function has no input that can carry a gradient (no float arrays); "
+                "remat plans what a gradient keeps, so give it the parameters or data to differentiate"
+            )
+        traced = JaxprChain(closed, find_cuts(closed.jaxpr, self.stages, self.max_stages))
+        variables = traced.variable_shapes(flat)
+        costs = self._costs.get(key)
+        if costs is None:
+            with jax.ensure_compile_time_eval():
+                costs = profile(traced.chain, variables, (), method=self.options.method,
+                                policies=self.options.policies, **self.options.profile_options)
+            x = np.array(costs.x)
+            x[0] = traced.context_bytes  # held for the whole step, as a_0 is
+            costs = with_shared(dataclasses.replace(costs, x=x), traced)
+            self._costs[key] = costs
+        plan = make_plan(traced.chain, variables, (), self.budget, self.options, costs, verified=False)
+        # the first argument's traced leaves: what the verification step differentiates
+        first = sum(1 for n in dynamic if n < len(jax.tree.leaves(args[0]))) if args else 0
+        plan = self._verified(plan, traced, flat, first)
         note = (
             f"{traced.cuts.count} stages cut by {traced.cuts.how}; held for the whole step: "
             f"{format_bytes(traced.context_bytes)} of values without a gradient (masks, positions)"
@@ -213,7 +218,7 @@ class RematFunction:
         costs = plan.costs
         target = None if self.budget is None else parse_budget(self.budget, costs)
         sched, found = verify(costs, target, plan.schedule, step_measure(traced, flat, first, o.named_policies),
-                              algorithm=o.algorithm, slots=o.slots)
+                              algorithm=o.algorithm, slots=o.slots, blocks=user_blocks(traced.chain, traced.cuts, costs))
         return Plan(sched, plan.signature, found)
 
     def plan(self, *args: Any) -> Plan:

@@ -57,6 +57,21 @@ class StageDecision:
 
 
 @dataclass(frozen=True)
+class Block:
+    """Stages ``start .. stop-1``, stored at the top level, run as one ``jax.checkpoint`` under the
+    checkpoint policy named ``policy``: what a user writes as ``jax.checkpoint(block, policy)``
+    where the chain cuts the user's block into several stages. It keeps the block's input and
+    what the policy saves over the whole block, not the boundaries between its stages (a
+    residual stream the policy recomputes from saved dots). The cost model prices stages, not
+    blocks: a schedule with blocks is one of the hand strategies that
+    :func:`~jaxremat.api.verify.verify` compiles, and its measured peak is what counts."""
+
+    start: int
+    stop: int
+    policy: str
+
+
+@dataclass(frozen=True)
 class Schedule:
     """A valid op list (``docs/cost_model.md``) with its simulated peak (bytes) and time."""
 
@@ -69,20 +84,35 @@ class Schedule:
     note: str = ""
     host_peak: int = 0  # the most bytes held in host memory at once (offloading)
     bandwidth: Bandwidth | None = None  # the links' bandwidths the schedule was replayed with
+    blocks: tuple[Block, ...] = ()  # runs of stored stages run as one checkpoint under a policy
+
+    @property
+    def least_peak(self) -> int:
+        """The peak less the bytes of the boundaries inside its blocks, which a block keeps only
+        where its policy saves them: the least the schedule may measure (the peak itself for a
+        schedule without blocks)."""
+        return self.peak - sum(int(self.costs.x[j]) for b in self.blocks for j in range(b.start + 1, b.stop))
 
     @classmethod
     def from_ops(
         cls, costs: ChainCosts, ops, *, budget: int | None, algorithm: str, note: str = "",
-        bandwidth: BandwidthLike | None = None,
+        bandwidth: BandwidthLike | None = None, blocks: tuple[Block, ...] = (),
     ) -> "Schedule":
         """Build a schedule, replaying ``ops`` for its exact peak and time (``bandwidth`` for
-        ``Offload`` and ``Prefetch`` ops)."""
+        ``Offload`` and ``Prefetch`` ops). With ``blocks``, the peak is that of the stages run
+        one by one, which keep the boundaries inside the blocks too: more than the blocks keep,
+        by at most those boundaries' bytes (see :class:`Block`)."""
         ops = ops_of(ops)
         bw = None if bandwidth is None else Bandwidth.of(bandwidth)
         r = simulate(costs, ops, bandwidth=bw)
+        blocks = tuple(blocks)
+        stored = {op.stage for op in ops if op.kind is OpKind.FALL}
+        for b in blocks:
+            if not 0 <= b.start < b.stop <= costs.length or not stored.issuperset(range(b.start, b.stop)):
+                raise ValueError(f"{b}: a block is a run of stages that the schedule stores, within 0 .. {costs.length}")
         return cls(
             ops=ops, time=r.time, peak=r.peak, budget=budget, algorithm=algorithm, costs=costs, note=note,
-            host_peak=r.host_peak, bandwidth=bw,
+            host_peak=r.host_peak, bandwidth=bw, blocks=blocks,
         )
 
     @property
@@ -154,6 +184,8 @@ class Schedule:
             rec += " (the last time fused with its backward, FB)" if d.fused else ""
             rec += ", kept in host memory (offloaded, prefetched for the backward)" if d.offloaded else ""
             lines.append(f"  {c.stage_name(d.stage):<{width}}  {first}{rec}")
+        for b in self.blocks:
+            lines.append(f"  stages {b.start}-{b.stop - 1}: one jax.checkpoint under {b.policy} (a block)")
         return "\n".join(lines)
 
     def __str__(self) -> str:

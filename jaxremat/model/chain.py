@@ -66,6 +66,21 @@ class Chain:
     def __len__(self) -> int:
         return len(self.stages)
 
+    @property
+    def period(self) -> int:
+        """How many stages the model's repeated block is cut into: the least ``k`` (up to 8) for
+        which at least half the stages compute what the stage ``k`` after them computes (their
+        ``key``); 1 when no block repeats. A transformer block written as a Python loop and cut
+        before each contraction repeats every few stages; a model's layers mapped one to one
+        (``nn.Sequential``, a list of NNX modules) are blocks of one stage."""
+        keys = [s.key for s in self.stages]
+        L = len(keys)
+        for k in range(1, min(8, L // 2) + 1):
+            same = sum(1 for i in range(L - k) if keys[i] is not None and keys[i] == keys[i + k])
+            if same >= max(k, (L - k) / 2):
+                return k
+        return 1
+
     @classmethod
     def from_functions(cls, pairs: Sequence[tuple[Callable, Any]]) -> "Chain":
         """Stages from ``(f, params)`` pairs with ``f(params, a) -> a_next``.

@@ -19,6 +19,10 @@ MAX_STAGES = 48
 REMAT_PRIMITIVES = ("checkpoint", "remat2", "remat")  # jax.checkpoint's primitive, by jax version
 
 
+BY_CONTRACTIONS = "at contractions"
+BY_SCOPE = "Flax module scope, depth "
+
+
 @dataclass(frozen=True)
 class Cuts:
     """Stage ``k`` is equations ``bounds[k] .. bounds[k+1]-1``; ``how`` says how they were chosen."""
@@ -30,6 +34,19 @@ class Cuts:
     @property
     def count(self) -> int:
         return len(self.bounds) - 1
+
+    @property
+    def at_contractions(self) -> bool:
+        """Whether the stages were cut before contractions (:func:`bytes_cuts`): the first
+        holds what precedes the first one, and a block of the user's is several stages."""
+        return self.how.startswith(BY_CONTRACTIONS)
+
+    @property
+    def scope_depth(self) -> int | None:
+        """How deep in the Flax module scopes the stages were cut; ``None`` if not by scopes."""
+        if not self.how.startswith(BY_SCOPE):
+            return None
+        return int(self.how[len(BY_SCOPE):].split(";")[0])
 
 
 def _nbytes(v: Any) -> int:
@@ -125,7 +142,7 @@ def scope_cuts(eqns: Sequence[Any], depth: int) -> Cuts | None:
             keys.append((*parts, *(inner or [f"{e.primitive.name}@{n}"]))[: max(depth, len(parts) + 1)])
         else:
             keys.append(None)
-    return _from_keys(keys, len(eqns), f"Flax module scope, depth {depth}")
+    return _from_keys(keys, len(eqns), f"{BY_SCOPE}{depth}")
 
 
 def pattern_cuts(eqns: Sequence[Any], pattern: str) -> Cuts | None:
@@ -203,7 +220,7 @@ def bytes_cuts(jaxpr: Any, max_stages: int) -> Cuts | None:
     bounds = tuple(sorted({0, *cands})) + (len(eqns),)
     if len(bounds) < 3:
         return None
-    return Cuts(bounds, "at contractions, where the fewest bytes cross", tuple(f"eqn {b}" for b in bounds[:-1]))
+    return Cuts(bounds, f"{BY_CONTRACTIONS}, where the fewest bytes cross", tuple(f"eqn {b}" for b in bounds[:-1]))
 
 
 def with_loss_stage(jaxpr: Any, cuts: Cuts, max_stages: int) -> Cuts:

@@ -12,6 +12,7 @@ from jax import lax
 
 from jaxremat.core.compile import warn_unless_planned
 from jaxremat.core.policies import Policy
+from jaxremat.core.schedule import Block
 from jaxremat.core.tree import Node, RegionUnit, StoreUnit, Unit, offloads_in, units
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs, stage_rngs
@@ -34,6 +35,7 @@ class Walker:
         self, chain: Chain, rngs: Rngs, cut: Cut, loops: LoopPlan, alike: Alike, scan: bool | None,
         policies: dict[tuple[int, int], Policy], offloaded: frozenset[tuple[str, int]] = frozenset(),
         reuses: frozenset[int] = frozenset(), tie_policies: bool = True, sealed: frozenset[int] = frozenset(),
+        blocks: dict[int, tuple[Block, Policy]] | None = None,
     ):
         self.chain, self.rngs, self.cut, self.loops, self.alike, self.scan = chain, rngs, cut, loops, alike, scan
         self.tie_policies = tie_policies  # whether top-level stages under a policy tie too (see stage)
@@ -41,6 +43,7 @@ class Walker:
         self.policies = policies  # (stage, store option) -> the checkpoint policy it runs under
         self.offloaded = offloaded  # ("a", i) / ("abar", i): buffers kept in host memory
         self.reuses = reuses  # stages whose FB writes over the incoming cotangent (ChainCosts.fb_reuse)
+        self.blocks = blocks or {}  # first stage -> a block of top-level stored stages and its policy
         self.L = len(chain)
 
     # -- one stage, one unit ---------------------------------------------------------------------
@@ -97,6 +100,26 @@ class Walker:
             updates[i] = new
         return out
 
+    def block(self, block: Block, policy: Policy, a: Any, updates: dict) -> Any:
+        """The stages of ``block`` as one ``jax.checkpoint`` under ``policy``, as the user's
+        ``jax.checkpoint(block, policy)`` runs them: untied (:meth:`stage`), the stages'
+        boundaries inside recomputed unless the policy saves them."""
+        span = range(block.start, block.stop)
+
+        def apply(owned: dict, a: Any, keys: dict) -> tuple[Any, dict]:
+            new = {}
+            for i in span:
+                a, n = self.chain.stages[i].apply(owned[i], a, keys[i])
+                if n:
+                    new[i] = n
+            return a, new
+
+        out, new = jax.checkpoint(apply, policy=policy)(
+            {i: self.variables(i, None) for i in span}, a, {i: self.keys(i, None) for i in span}
+        )
+        updates.update(new)
+        return out
+
     def unit(self, unit: Unit, a: Any, updates: dict, env: Env | None, token: Any = None, waits: bool = False) -> tuple[Any, Any]:
         """Run ``unit``; returns its output and, for a region, the order token of the region that
         runs right after it (:func:`~jaxremat.run._regions.tied_checkpoint`). ``token``: the one
@@ -149,10 +172,16 @@ class Walker:
         handed = self.handovers(run)
         if first is not None and run and isinstance(run[0], RegionUnit):
             handed[0] = True
-        token = first
+        token, until = first, 0
         for j, unit in enumerate(run):
+            if unit.start < until:  # inside a block that has run
+                continue
             if tapped is not None and unit.start == tapped[0]:
                 a = tap(a, tapped[1])
+            if env is None and unit.start in self.blocks:
+                block, policy = self.blocks[unit.start]
+                a, token, until = self.block(block, policy, a, updates), None, block.stop
+                continue
             a, token = self.unit(unit, a, updates, env, token if handed[j] else None,
                                  waits=j + 1 < len(run) and handed[j + 1])
         return a

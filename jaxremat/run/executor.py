@@ -46,7 +46,8 @@ def execute(
 ) -> Callable[..., tuple[Any, Any]]:
     """``f(variables, x, rngs=None) -> (output, updated_collections)`` whose gradient follows
     ``schedule``: stored stages keep their residuals (all of them, or those their store option's
-    checkpoint policy saves), checkpoint regions keep only their input and are recomputed in the
+    checkpoint policy saves; a :class:`~jaxremat.core.schedule.Block` of them, those its policy
+    saves over the whole block), checkpoint regions keep only their input and are recomputed in the
     schedule's order. ``updated_collections`` (e.g. ``batch_stats``) are per stage index, each
     updated once per step. ``policies`` names the checkpoint policies of store options that are
     not built in (:mod:`jaxremat.core.policies`).
@@ -94,6 +95,13 @@ def execute(
         and not u.option
     )
 
+    blocks = {}
+    top_stored = {u.stage for u in spine if isinstance(u, StoreUnit)}
+    for b in schedule.blocks:
+        if not top_stored.issuperset(range(b.start, b.stop)) or chain.group_of(b.start) is not None:
+            raise ValueError(f"{b}: a block runs stages stored at the top level, outside a Repeat")
+        blocks[b.start] = (b, resolve(b.policy, policies, f"stages {b.start}-{b.stop - 1} (a block),"))
+
     def forward(variables: Any, x: Any, rngs: Rngs = None) -> tuple[Any, Any]:
         shapes = chain.stage_shapes(variables)  # the loops depend on the variables' shapes
         alike = Alike(chain, shapes)
@@ -103,7 +111,7 @@ def execute(
             _warn_copies(layer, offloads=offloads_in(offloaded, g.start, g.start + g.length))
         updates: dict[int, Any] = {}
         walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, resolved, offloaded,
-                        reuses, tie_policies, sealed)
+                        reuses, tie_policies, sealed, blocks)
         return walker.run(tree, L, x, updates), updates
 
     return forward
