@@ -63,7 +63,7 @@ def child(L: int, slots: int, repeats: int, options: int = 0) -> dict:
     import time
 
     import jaxremat as jr
-    from jaxremat.core.budgets import budget_bytes
+    from jaxremat.core.budgets import parse_budget
     from jaxremat.solvers import _dp_jax as dp_jax
     from jaxremat.solvers._discretise import discretise
 
@@ -73,7 +73,7 @@ def child(L: int, slots: int, repeats: int, options: int = 0) -> dict:
     jnp.zeros(1).block_until_ready()  # JAX runtime up
     base_rss = rss()
     costs = chain(L, seed=0, options=options)
-    budget = budget_bytes(costs, "40%")
+    budget = parse_budget("40%", costs)
     c = discretise(costs, budget, slots)
     t0 = time.perf_counter()
     dp_jax.program(c)  # compile

@@ -128,7 +128,8 @@ class LinenCNN(nn.Module):
         for n, f in enumerate((16, 16, 32, 32)):
             if self.hand is not None:  # named as without it, so the same parameters fit
                 policy = None if self.hand == FULL else self.hand
-                name = f"{'CheckpointConvBlock' if self.user_remat and n % 2 == 1 else 'ConvBlock'}_{n // 2}"
+                own = self.user_remat and n % 2 == 1
+                name = f"CheckpointConvBlock_{n // 2}" if own else f"ConvBlock_{n // 2 if self.user_remat else n}"
                 block = nn.remat(ConvBlock, policy=policy, static_argnums=(2,))(f, name=name)
             elif self.user_remat and n % 2 == 1:
                 block = nn.remat(ConvBlock, static_argnums=(2,))(f)
@@ -138,13 +139,16 @@ class LinenCNN(nn.Module):
         return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
 
 
-def linen_cnn(shape: tuple[int, ...] = (8, 32, 32, 3)) -> Case:
+def linen_cnn(shape: tuple[int, ...] = (8, 32, 32, 3), user_remat: bool = True) -> Case:
+    """``user_remat=False``: no block under the user's own ``nn.remat``, so that a hand strategy
+    on every block is what the user would otherwise write (jaxremat keeps a user's ``nn.remat``
+    as written; a hand strategy replaces it)."""
     x = jax.random.normal(jax.random.key(1), shape)
     y = jax.nn.one_hot(jnp.arange(shape[0]) % 10, 10)
-    v = LinenCNN().init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    v = LinenCNN(user_remat=user_remat).init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
 
     def make(hand):
-        m = LinenCNN(hand=hand)
+        m = LinenCNN(hand=hand, user_remat=user_remat)
 
         def loss(params, stats, x, key):
             logits, upd = m.apply({"params": params, "batch_stats": stats}, x, rngs={"dropout": key},
@@ -153,7 +157,8 @@ def linen_cnn(shape: tuple[int, ...] = (8, 32, 32, 3)) -> Case:
 
         return loss
 
-    return Case("linen CNN (nn.remat, dropout, BatchNorm)", make, (v["params"], v["batch_stats"], x, jax.random.key(7)),
+    name = "linen CNN (nn.remat, dropout, BatchNorm)" if user_remat else "linen CNN (dropout, BatchNorm)"
+    return Case(name, make, (v["params"], v["batch_stats"], x, jax.random.key(7)),
                 has_aux=True)
 
 
@@ -305,6 +310,6 @@ def nnx_list(blocks: int = 6, width: int = 64, batch: int = 128) -> Case:
 
 
 CASES: dict[str, Callable[[], Case]] = {
-    "loop_mlp": loop_mlp, "linen_cnn": linen_cnn, "concat_unet": concat_unet, "equinox": equinox_transformer,
-    "nnx_list": nnx_list,
+    "loop_mlp": loop_mlp, "linen_cnn": linen_cnn, "linen_cnn_plain": lambda: linen_cnn(user_remat=False),
+    "concat_unet": concat_unet, "equinox": equinox_transformer, "nnx_list": nnx_list,
 }

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import jaxremat as jr
-from jaxremat.core.budgets import budget_bytes
+from jaxremat.core.budgets import parse_budget
 
 
 def good(**over):
@@ -87,8 +87,8 @@ def test_budget_forms_on_a_chain():
     peak = jr.store_all_peak(c)
     assert jr.solve(c, "100%", algorithm="store_all").budget == peak
     assert jr.solve(c, None, algorithm="store_all").budget == peak
-    assert budget_bytes(c, "50%") == peak // 2
-    assert budget_bytes(c, "1KiB") == 1024
+    assert parse_budget("50%", c) == peak // 2
+    assert parse_budget("1KiB", c) == 1024
     with pytest.raises(ValueError, match="expected an int of bytes"):
         jr.solve(c, "lots")
     with pytest.raises(ValueError, match="share of the store-all peak"):

@@ -61,7 +61,9 @@ def test_every_accepted_budget_is_the_memory_xla_uses(name):
         assert v is not None and v.measured_peak <= v.budget == plan.schedule.budget
         temp, _ = update_step(f, case.args, case.has_aux)  # the user's own step, compiled apart
         assert temp <= 1.05 * v.budget, (budget, temp, v.budget)
-        assert "verified: XLA temp" in plan.report()
+        assert "verified: XLA temp" in plan.report() and "setup" in plan.report()
+        # the first call profiles; a second budget of the same function reuses the profile
+        assert plan.setup.verification >= v.seconds and (budget == "50%" or plan.setup.profile < 0.5), plan.setup
         check_gradients(case, f)
     assert accepted >= 1
 

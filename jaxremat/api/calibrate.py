@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxremat.core.budgets import Budget, budget_bytes, store_all_peak
+from jaxremat.core.budgets import Budget, parse_budget, store_all_peak
 from jaxremat.core.compile import as_planned, compiler_options
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
@@ -142,7 +142,7 @@ def calibrated_solve(
     is within ``tolerance`` of the budget. Raises :class:`InfeasibleBudget` when no schedule
     tried fits.
     """
-    target = budget_bytes(costs, budget)
+    target = parse_budget(budget, costs)
     x0 = int(costs.x[0])
     least = min_budget(costs, algorithm=algorithm, slots=slots)
     ceiling = max(store_all_peak(costs), target) * 4  # no schedule changes above the store-all peak

@@ -89,14 +89,15 @@ def plan_options(method: str | None = None, profile: str | None = None, **option
     return PlanOptions(method=method or "measure", **options)
 
 
-_UNSET: Any = object()
+#: The default of a decorator's ``budget`` when it was not given (``None`` means store-all).
+UNSET: Any = object()
 
 
 def plan(
     model: Any,
     variables: Any,
     sample: Any,
-    budget: Budget = _UNSET,
+    budget: Budget = UNSET,
     *,
     costs: ChainCosts | None = None,
     **options: Any,
@@ -128,11 +129,11 @@ def plan(
     if isinstance(planner, Planner) and isinstance(getattr(model, "chain", None), Chain):  # a wrapped model
         if options:
             raise TypeError(f"a wrapped model plans with its own options; got {', '.join(sorted(options))}")
-        planner = planner if budget is _UNSET else planner.with_budget(budget)
+        planner = planner if budget is UNSET else planner.with_budget(budget)
         if costs is not None:
             planner.costs[signature(model.chain, variables, sample)] = costs
         return planner.plan(model.chain, variables, sample)
-    if budget is _UNSET:
+    if budget is UNSET:
         raise TypeError(
             "jaxremat.plan needs a budget for this model (bytes, '512MiB', '40%', or None for the store-all "
             "peak); only a model from jaxremat.remat_chain(budget) has its own"
@@ -147,4 +148,4 @@ def plan(
     )
 
 
-__all__ = ["Planner", "plan", "plan_options"]
+__all__ = ["UNSET", "Planner", "plan", "plan_options"]

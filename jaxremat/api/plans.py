@@ -111,12 +111,32 @@ class PlanOptions:
 
 
 @dataclass(frozen=True)
+class SetupTime:
+    """Where a plan's first call spent its seconds: tracing the function and cutting it into
+    stages, profiling them (0 when the costs were cached), solving, and verifying by XLA."""
+
+    trace: float
+    profile: float
+    plan: float
+    verification: float
+
+    @property
+    def total(self) -> float:
+        return self.trace + self.profile + self.plan + self.verification
+
+    def line(self) -> str:
+        return (f"  setup {self.total:.1f} s: trace {self.trace:.1f}, profile {self.profile:.1f}, "
+                f"plan {self.plan:.1f}, verification {self.verification:.1f}")
+
+
+@dataclass(frozen=True)
 class Plan:
     """The schedule a wrapped model runs, with the costs it was solved on."""
 
     schedule: Schedule
     signature: str
     verification: Verification | None = field(default=None, compare=False)
+    setup: SetupTime | None = field(default=None, compare=False)
 
     @property
     def costs(self) -> ChainCosts:
@@ -142,6 +162,8 @@ class Plan:
         lines = [self.schedule.summary()]
         if self.verification is not None:
             lines += self.verification.lines()
+        if self.setup is not None:
+            lines.append(self.setup.line())
         return "\n".join(lines)
 
     def check(self, chain: Chain, variables: Any, sample: Any) -> None:
@@ -253,4 +275,4 @@ def chain_measure(chain: Chain, variables: Any, sample: Any, policies: Any = Non
     return measure
 
 
-__all__ = ["FORMAT", "READS", "VERSION", "Plan", "PlanOptions", "load_plan", "make_plan", "signature"]
+__all__ = ["FORMAT", "READS", "VERSION", "Plan", "PlanOptions", "SetupTime", "load_plan", "make_plan", "signature"]

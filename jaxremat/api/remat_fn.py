@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -20,8 +21,8 @@ import numpy as np
 import optax
 
 from jaxremat.api.calibrate import measured_loss, measured_optimizer
-from jaxremat.api.planner import plan_options, warn_if_global
-from jaxremat.api.plans import Plan, PlanOptions, make_plan
+from jaxremat.api.planner import UNSET, plan_options, warn_if_global
+from jaxremat.api.plans import Plan, PlanOptions, SetupTime, make_plan
 from jaxremat.api.user_blocks import user_blocks
 from jaxremat.api.verify import Measured, verify
 from jaxremat.core.budgets import Budget, parse_budget
@@ -36,7 +37,6 @@ from jaxremat.model.trees import abstract, is_sharded, sharding_key, sharding_of
 from jaxremat.profiling.profiler import profile
 from jaxremat.run.executor import execute
 
-_UNSET: Any = object()
 #: Keywords of :func:`jaxremat.profile` that ``remat`` passes on.
 PROFILE_KEYWORDS = ("rates", "repeats", "cache", "quiet")
 
@@ -164,6 +164,7 @@ class RematFunction:
                 full[n] = v
             return self.fun(*jax.tree.unflatten(tree, full))
 
+        t0 = time.perf_counter()
         with jax.ensure_compile_time_eval():  # may run while the caller's step is traced
             dyn = tuple(leaves[n] for n in dynamic)
             closed, in_tree, out_tree = trace(fun, dyn)
@@ -178,6 +179,7 @@ class RematFunction:
             )
         traced = JaxprChain(closed, find_cuts(closed.jaxpr, self.stages, self.max_stages))
         variables = traced.variable_shapes(flat)
+        t1 = time.perf_counter()
         costs = self._costs.get(key)
         if costs is None:
             with jax.ensure_compile_time_eval():
@@ -187,10 +189,13 @@ class RematFunction:
             x[0] = traced.context_bytes  # held for the whole step, as a_0 is
             costs = with_shared(dataclasses.replace(costs, x=x), traced)
             self._costs[key] = costs
+        t2 = time.perf_counter()
         plan = make_plan(traced.chain, variables, (), self.budget, self.options, costs, verified=False)
         # the first argument's traced leaves: what the verification step differentiates
         first = sum(1 for n in dynamic if n < len(jax.tree.leaves(args[0]))) if args else 0
+        t3 = time.perf_counter()
         plan = self._verified(plan, traced, flat, first)
+        setup = SetupTime(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         note = (
             f"{traced.cuts.count} stages cut by {traced.cuts.how}; held for the whole step: "
             f"{format_bytes(traced.context_bytes)} of values without a gradient (masks, positions)"
@@ -201,7 +206,8 @@ class RematFunction:
             names = ", ".join(traced.chain.stages[k].name for k in traced.user_remat)
             note += f"; your own jax.checkpoint / nn.remat kept as written inside stage(s) {names}"
         sched = plan.schedule
-        plan = dataclasses.replace(plan, schedule=dataclasses.replace(sched, note=f"{sched.note}; {note}" if sched.note else note))
+        plan = dataclasses.replace(plan, schedule=dataclasses.replace(sched, note=f"{sched.note}; {note}" if sched.note else note),
+                                   setup=setup)
         found = _Prepared(traced, plan, in_tree, out_tree, dynamic)
         self._prepared[key] = found
         return found
@@ -234,7 +240,7 @@ class RematFunction:
         return jax.tree.unflatten(prepared.out_tree, list(out))
 
 
-def remat(fun: Any = None, budget: Budget = _UNSET, *, stages: Any = "auto", max_stages: int = MAX_STAGES,
+def remat(fun: Any = None, budget: Budget = UNSET, *, stages: Any = "auto", max_stages: int = MAX_STAGES,
           **options: Any) -> Any:
     """``fun`` with an optimal rematerialisation schedule within ``budget``.
 
@@ -274,10 +280,10 @@ def remat(fun: Any = None, budget: Budget = _UNSET, *, stages: Any = "auto", max
       with :func:`jaxremat.jit`.
     """
     if fun is not None and not callable(fun):  # remat("50%") or remat(None): the budget first
-        if budget is not _UNSET:
+        if budget is not UNSET:
             raise TypeError("jaxremat.remat(fun, budget): the first argument is the function")
         fun, budget = None, fun
-    if budget is _UNSET:
+    if budget is UNSET:
         raise TypeError("jaxremat.remat needs a budget: bytes, '512MiB', '40%', or None for the store-all peak")
     known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "verify", "profile"}
     unknown = sorted(set(options) - known - set(PROFILE_KEYWORDS))

@@ -60,9 +60,4 @@ def parse_budget(budget: Budget, reference: int | ChainCosts | None = None) -> i
     return parse_bytes(budget)
 
 
-def budget_bytes(costs: ChainCosts, budget: Budget) -> int:
-    """``budget`` in bytes for the chain of ``costs`` (shares and ``None`` of its store-all peak)."""
-    return parse_budget(budget, costs)
-
-
-__all__ = ["BUDGET_FORMS", "Budget", "budget_bytes", "is_share", "parse_budget", "store_all_peak"]
+__all__ = ["BUDGET_FORMS", "Budget", "is_share", "parse_budget", "store_all_peak"]

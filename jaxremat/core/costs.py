@@ -15,7 +15,6 @@ from jaxremat.core.shared import Shared, check_shared
 from jaxremat.core.units import format_bytes
 
 _SIZE_FIELDS = ("x", "xbar", "fwd_tmp", "bwd_tmp")
-_TIME_FIELDS = ("fwd", "bwd")
 FIELDS = ("x", "xbar", "fwd", "bwd", "fwd_tmp", "bwd_tmp")
 OPTIONAL_FIELDS = ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "fb_flops")  # from XLA's cost analysis
 V2_FIELDS = ("fb", "fb_tmp")  # contract version 2: the fused forward-backward
@@ -260,7 +259,7 @@ class ChainCosts:
         return self.options[i][k - 1]
 
     @functools.cached_property
-    def option_table(self) -> tuple[tuple[tuple[int, float, int], ...], ...]:
+    def option_table(self) -> tuple[tuple[tuple[int, float, int, int], ...], ...]:
         """Per stage, per option: ``(xbar, bwd, bwd_tmp, unread)`` (for the simulator's inner loop)."""
         return tuple(
             tuple((o.xbar, o.bwd, o.bwd_tmp, o.unread) for o in (self.option(i, k) for k in range(self.option_count(i))))

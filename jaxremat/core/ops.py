@@ -26,8 +26,6 @@ class OpKind(StrEnum):
 
 
 FORWARD_KINDS: frozenset[OpKind] = frozenset({OpKind.FCK, OpKind.FN, OpKind.FALL})
-#: The ops that count as a stage's backward (each stage's runs exactly once, in order L-1..0).
-BACKWARD_KINDS: frozenset[OpKind] = frozenset({OpKind.B, OpKind.FB})
 #: The ops that move a buffer between device and host; they take no compute time.
 TRANSFER_KINDS: frozenset[OpKind] = frozenset({OpKind.OFFLOAD, OpKind.PREFETCH})
 #: What a transfer op moves: the standalone activation ``a_i`` or the bundle ``abar_i``.
@@ -117,4 +115,4 @@ def store_all_ops(L: int, options: Sequence[int] | None = None) -> list[Op]:
     )
 
 
-__all__ = ["BACKWARD_KINDS", "BUFFERS", "FORWARD_KINDS", "TRANSFER_KINDS", "Op", "OpKind", "ops_of", "store_all_ops"]
+__all__ = ["BUFFERS", "FORWARD_KINDS", "TRANSFER_KINDS", "Op", "OpKind", "ops_of", "store_all_ops"]

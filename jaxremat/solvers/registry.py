@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxremat.core.budgets import Budget, budget_bytes, store_all_peak
+from jaxremat.core.budgets import Budget, parse_budget, store_all_peak
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.core.transfers import Bandwidth, BandwidthLike
@@ -146,7 +146,7 @@ def solve(
       InfeasibleBudget: no schedule of this algorithm fits; ``.min_budget`` says what would.
     """
     found, extra = _check(costs, algorithm, slots, bandwidth)
-    sched = found.solve(costs, budget_bytes(costs, budget), int(slots), *extra)
+    sched = found.solve(costs, parse_budget(budget, costs), int(slots), *extra)
     if sched.algorithm != algorithm:  # asked by an alias: say so
         sched = sched.with_algorithm(algorithm)
     return sched
@@ -180,7 +180,7 @@ def pareto(
         hi = max(store_all_peak(costs), lo)
         sweep = sorted({int(b) for b in np.linspace(lo, hi, points)})
     else:
-        sweep = sorted(budget_bytes(costs, b) for b in budgets)
+        sweep = sorted(parse_budget(b, costs) for b in budgets)
     front = []
     for b in sweep:
         try:

@@ -147,7 +147,7 @@ def _jaxpr_chain(args: argparse.Namespace, model: Any, x: Any, shape: tuple, dty
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from jaxremat.api.planner import plan
-    from jaxremat.core.budgets import budget_bytes
+    from jaxremat.core.budgets import parse_budget
     from jaxremat.core.schedule import InfeasibleBudget
     from jaxremat.core.units import format_bytes
     from jaxremat.profiling.profiler import profile_stages, report
@@ -155,7 +155,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     _, chain, variables, x = prepare(args)
     costs, stages = profile_stages(chain, variables, x, method=args.method, quiet=args.quiet)
-    budget = budget_bytes(costs, args.budget)
+    budget = parse_budget(args.budget, costs)
     print(report(stages), "\n")
     schedule = solve(costs, budget, algorithm=args.algorithm, bandwidth=args.bandwidth)
     print(schedule.summary(), "\n")

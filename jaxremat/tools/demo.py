@@ -17,7 +17,7 @@ from jaxremat.run.executor import execute
 from jaxremat.api.planner import plan as make_plan
 from jaxremat.api.calibrate import measured_loss
 from jaxremat.profiling.profiler import profile_stages, report
-from jaxremat.core.budgets import budget_bytes, store_all_peak
+from jaxremat.core.budgets import parse_budget, store_all_peak
 from jaxremat.core.units import format_bytes
 
 MANUAL = ("remat every block", "checkpoint whole chain", "policy dots_saveable")
@@ -59,7 +59,7 @@ def run_demo(
     print(f"jaxremat demo: {label} ({type(model).__name__}, {len(chain)} stages), input {shapes}\n")
     # the steps measured below apply jaxremat's mean-square loss to the output; plan for it
     costs, stages = profile_stages(chain, variables, x, method=method, quiet=quiet, loss=measured_loss)
-    b = budget_bytes(costs, budget)
+    b = parse_budget(budget, costs)
     print(report(stages), "\n")
     p = make_plan(chain, variables, x, b, costs=costs, calibrate=calibrate)
     print(p.report(), "\n")
