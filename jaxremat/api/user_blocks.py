@@ -16,7 +16,7 @@ from jaxremat.model.cuts import Cuts
 Span = tuple[int, int]
 
 
-def by_period(costs: ChainCosts, k: int) -> list[tuple[int, int]]:
+def by_period(costs: ChainCosts, k: int) -> list[Span]:
     """The user's blocks, as spans of stages, in a chain cut before each contraction (its first
     stage holds what precedes the first one) whose block is ``k`` stages. Which boundaries are
     the blocks' is not in the stages' identities (a transformer's mid-block residual stream

@@ -8,7 +8,8 @@ measured excess and the chain is solved again (:func:`~jaxremat.api.calibrate.ca
 until a schedule measures within the budget, or :class:`~jaxremat.InfeasibleBudget` names the
 least memory any schedule tried measured. Then the hand strategies that lie in the same
 schedule space (every stage under each store option, every stage or every ``k`` stages
-checkpointed, ``sqrt(L)`` segments) and that the profile predicts to run fewer flops are compiled
+checkpointed, ``sqrt(L)`` segments, the user's blocks checkpointed or under each policy:
+:mod:`~jaxremat.api.user_blocks`) and that the profile predicts to run fewer flops are compiled
 too; one that measures within the budget with fewer compiled flops replaces the plan. The plan
 is never worse than a hand strategy it could have been.
 """
