@@ -13,6 +13,7 @@ from flax import nnx
 import jaxremat as jr
 from jaxremat.api import verify as verify_mod
 from jaxremat.api.user_blocks import by_period, by_scope
+from jaxremat.api.verify import HAND_BYTES
 from jaxremat.core.ops import OpKind
 from jaxremat.model.jaxpr_chain import crossing_bytes, find_cuts, trace
 from jaxremat.profiling import Rates
@@ -161,7 +162,8 @@ def test_gradients_exact_and_memory_as_planned(name):
         temp = _temp(step)
         assert temp <= 1.10 * plan.schedule.peak, (budget, temp, plan.schedule.peak)
         if plan.verification is not None:
-            assert plan.verification.measured_peak <= plan.schedule.budget  # the update step, verified
+            v = plan.verification  # the update step, verified (a hand strategy within its stated slack)
+            assert v.measured_peak <= plan.schedule.budget + (0 if v.chosen in ("plan", "corrected plan") else HAND_BYTES)
         costs = plan.schedule.costs
         if name == "unet":  # three skip tensors, each one buffer however many activations carry it
             assert [(v.first, v.last) for v in costs.shared] == [(3, 12), (5, 10), (7, 8)]
