@@ -135,34 +135,37 @@ def exhaustive(c: jr.ChainCosts, bw: Bandwidth) -> list[tuple[int, float, bool]]
     return out
 
 
-@st.composite
-def small_chains(draw, min_len: int = 1):
-    L = draw(st.integers(min_len, 4))
-    size = st.integers(0, 12)
-    x = draw(st.lists(size, min_size=L + 1, max_size=L + 1))
-    xbar = [x[i + 1] + draw(size) * draw(st.integers(1, 3)) for i in range(L)]
-    tmp = st.integers(0, 4)
-    t = st.integers(0, 8).map(float)
-    slow = st.integers(1, 8).map(float)
-    fwd = [draw(slow) for _ in range(L)]
-    bwd = [draw(t) for _ in range(L)]
-    options = [
-        [jr.StageOption("p", draw(st.integers(0, xbar[i])), bwd[i] + draw(t), draw(tmp))] if draw(st.booleans()) else []
-        for i in range(L)
-    ]
-    fb = [draw(st.sampled_from([fwd[i] + bwd[i], fwd[i] + bwd[i] + 1.0, bwd[i]])) for i in range(L)]
+def random_chain(pick, min_len: int = 1) -> jr.ChainCosts:
+    """A chain of 2..4 stages with small integer sizes and times; ``pick(lo, hi)`` draws an
+    integer in ``[lo, hi]`` (hypothesis in the property tests, a seeded generator below)."""
+    L = pick(min_len, 4)
+    size = lambda: pick(0, 12)  # noqa: E731
+    t = lambda: float(pick(0, 8))  # noqa: E731
+    tmp = lambda: pick(0, 4)  # noqa: E731
+    x = [size() for _ in range(L + 1)]
+    xbar = [x[i + 1] + size() * pick(1, 3) for i in range(L)]
+    fwd = [float(pick(1, 8)) for _ in range(L)]
+    bwd = [t() for _ in range(L)]
+    options = [[jr.StageOption("p", pick(0, xbar[i]), bwd[i] + t(), tmp())] if pick(0, 1) else [] for i in range(L)]
+    fb = [(fwd[i] + bwd[i], fwd[i] + bwd[i] + 1.0, bwd[i])[pick(0, 2)] for i in range(L)]
     return jr.ChainCosts(
-        x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=[draw(tmp) for _ in range(L)], bwd_tmp=[draw(tmp) for _ in range(L)],
-        fb=fb, fb_tmp=[draw(tmp) for _ in range(L)], options=options,
+        x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=[tmp() for _ in range(L)], bwd_tmp=[tmp() for _ in range(L)],
+        fb=fb, fb_tmp=[tmp() for _ in range(L)], options=options,
     )
 
 
-SEEN = {"cases": 0, "offloading wins": 0}
+@st.composite
+def small_chains(draw, min_len: int = 1):
+    return random_chain(lambda lo, hi: draw(st.integers(lo, hi)), min_len)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)  # derandomized: the count below is stable
-@given(small_chains(min_len=2), st.floats(0.0, 0.7), st.sampled_from([4.0, 16.0, 64.0, (8.0, 32.0), (64.0, 2.0), (32.0, 1.0)]))
-def test_dp_is_optimal_in_its_class(c, share, bandwidth):
+BANDWIDTHS = [4.0, 16.0, 64.0, (8.0, 32.0), (64.0, 2.0), (32.0, 1.0)]
+
+
+def check_dp_against_exhaustive(c: jr.ChainCosts, share: float, bandwidth) -> bool:
+    """The offload DP, with one slot per byte, is exactly as fast as the best schedule of its
+    class within a budget ``share`` of the way from the least to the largest peak; returns
+    whether that best schedule offloads and beats every schedule that does not."""
     bw = Bandwidth.of(bandwidth)
     every = exhaustive(c, bw)
     x0, least = int(c.x[0]), min(p for p, _, _ in every)
@@ -173,21 +176,30 @@ def test_dp_is_optimal_in_its_class(c, share, bandwidth):
     ops, t = offload_ops(c, budget, budget - x0, bw)  # one slot per byte: the DP is exact
     if ops is None:
         assert best == math.inf
-        return
+        return False
     r = jr.simulate(c, ops, bandwidth=bw)
     assert r.peak <= budget
     assert r.time == pytest.approx(t, rel=1e-9, abs=1e-9)  # replays at its stated time
     assert t == pytest.approx(best, rel=1e-9, abs=1e-9)
-    SEEN["cases"] += 1
-    SEEN["offloading wins"] += best < remat
+    return best < remat
 
 
-def test_the_search_saw_offloading_win():
-    # the property test above must have met chains where offloading is strictly faster
-    if SEEN["cases"] == 0:
-        test_dp_is_optimal_in_its_class()
-    print(SEEN)
-    assert SEEN["offloading wins"] >= 5, SEEN
+@settings(max_examples=40, deadline=None)
+@given(small_chains(min_len=2), st.floats(0.0, 0.7), st.sampled_from(BANDWIDTHS))
+def test_dp_is_optimal_in_its_class(c, share, bandwidth):
+    check_dp_against_exhaustive(c, share, bandwidth)
+
+
+def test_the_search_meets_offloading_wins():
+    # chains from a seeded generator (not hypothesis, whose draws change between its versions):
+    # the class must contain chains where offloading is strictly faster, and the DP finds them
+    rng = np.random.default_rng(0)
+    pick = lambda lo, hi: int(rng.integers(lo, hi + 1))  # noqa: E731
+    wins = sum(
+        check_dp_against_exhaustive(random_chain(pick, 2), float(rng.uniform(0, 0.7)), BANDWIDTHS[pick(0, 5)])
+        for _ in range(60)
+    )
+    assert wins >= 5, wins
 
 
 # -- the solver's guarantees ---------------------------------------------------------------------------
