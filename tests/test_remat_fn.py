@@ -15,7 +15,7 @@ from jaxremat.api import verify as verify_mod
 from jaxremat.api.user_blocks import by_period, by_scope
 from jaxremat.api.verify import HAND_BYTES
 from jaxremat.core.ops import OpKind
-from jaxremat.model.jaxpr_chain import crossing_bytes, find_cuts, trace
+from jaxremat.model.jaxpr_chain import JaxprChain, crossing_bytes, find_cuts, trace
 from jaxremat.profiling import Rates
 
 
@@ -275,6 +275,28 @@ def test_random_numbers_and_mutable_outputs_as_without_remat():
     got = jr.jit(jax.value_and_grad(jr.remat(loss, "40%", method="xla", verify=False), has_aux=True))(*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_constants_are_recomputed_where_read_not_held():
+    # a dropout's zeros_like and a constant input to the first matmul: no buffer of the jaxpr's
+    # constants nor of the context (each one held for the whole step), but an equation of each
+    # stage that reads it; the first stage is not one of constants alone
+    def loss(w, x, key):
+        h = jnp.tanh(jnp.ones((8, 16)) @ w)
+        keep = jax.random.bernoulli(key, 0.9, h.shape)
+        h = jax.lax.select(keep, h / 0.9, jnp.zeros_like(h))
+        return jnp.mean((h @ w.T * x) ** 2)
+
+    args = (jnp.ones((16, 32)) / 8, jnp.ones((8, 16)), jax.random.key(0))
+    closed, _, _ = trace(loss, args)
+    traced = JaxprChain.of(closed)
+    assert not [c for c in traced.closed.consts if np.ndim(c)] and traced.context_bytes == 0
+    assert all(any(e.invars for e in p.eqns) for p in traced.plans)
+    readers = [k for k, p in enumerate(traced.plans) if any(e.primitive.name == "broadcast_in_dim" and not
+                                                            [v for v in e.invars if hasattr(v, "count")] for e in p.eqns)]
+    assert len(readers) >= 1
+    f = jr.remat(loss, "90%", method="xla", rates=Rates(1e10, 1e10), verify=False)
+    np.testing.assert_allclose(jax.grad(f)(*args), jax.grad(loss)(*args), rtol=1e-6, atol=1e-7)
 
 
 def test_decorator_forms_and_bad_input():

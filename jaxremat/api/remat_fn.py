@@ -32,7 +32,7 @@ from jaxremat.core.schedule import Schedule
 from jaxremat.core.units import format_bytes
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical
 from jaxremat.model.identity import leaf_signature
-from jaxremat.model.jaxpr_chain import MAX_STAGES, JaxprChain, find_cuts, trace
+from jaxremat.model.jaxpr_chain import MAX_STAGES, JaxprChain, trace
 from jaxremat.model.trees import abstract, is_sharded, sharding_key, sharding_of
 from jaxremat.profiling.profiler import profile
 from jaxremat.run.executor import execute
@@ -165,19 +165,22 @@ class RematFunction:
             return self.fun(*jax.tree.unflatten(tree, full))
 
         t0 = time.perf_counter()
-        with jax.ensure_compile_time_eval():  # may run while the caller's step is traced
-            dyn = tuple(leaves[n] for n in dynamic)
-            closed, in_tree, out_tree = trace(fun, dyn)
-        # the verification outside that context: its eager constant folding changes the program
-        # the step compiles to (an NNX transformer's step measured 16 KiB more inside it than the
-        # user's step does, 2026-12-05); the profile's timing runs programs on concrete arrays
+        # traced as the user's step traces it, not under ensure_compile_time_eval: its eager
+        # evaluation turns every array made from constants alone (a dropout's zeros_like, a causal
+        # mask) into a concrete constant of the jaxpr, an input of the step held from its start to
+        # its end instead of a broadcast XLA fuses into its reader (a linen CNN's four dropout
+        # zeros kept 1.5 MiB more than the user's step, CPU, 2026-12-05). Nor the verification:
+        # it changed the compiled program too (an NNX step, 16 KiB). The profile's timing runs
+        # programs on concrete arrays, so it runs in that context.
+        dyn = tuple(leaves[n] for n in dynamic)
+        closed, in_tree, out_tree = trace(fun, dyn)
         flat = [abstract(x) for x in dyn]
         if not any(jnp.issubdtype(s.dtype, jnp.inexact) for s in flat):
             raise TypeError(
                 "jaxremat.remat: the function has no input that can carry a gradient (no float arrays); "
                 "remat plans what a gradient keeps, so give it the parameters or data to differentiate"
             )
-        traced = JaxprChain(closed, find_cuts(closed.jaxpr, self.stages, self.max_stages))
+        traced = JaxprChain.of(closed, self.stages, self.max_stages)
         variables = traced.variable_shapes(flat)
         t1 = time.perf_counter()
         costs = self._costs.get(key)

@@ -9,6 +9,12 @@ What a stage reads:
 
 * ``params``: the inputs of ``fun`` it reads that can carry a gradient (inexact dtypes). A
   parameter read by several stages (tied weights) is given to each; autodiff adds the pieces.
+* constants: values computed from literals alone (a dropout's ``zeros_like``, an ``iota``, a
+  causal mask from one) are not a stage's: :meth:`JaxprChain.of` takes their equations out
+  before the cuts, and every stage that reads one computes it again, as XLA fuses a broadcast
+  into each reader. Held as a value (a constant of the jaxpr, or the context below), each is a
+  buffer from the step's start to its end: a linen CNN's four dropout ``zeros_like`` kept
+  1.5 MiB more than the user's own step (CPU, 2026-12-05).
 * ``context``: values that carry no gradient (integer inputs, ``fun``'s constants, and values
   computed from those alone, such as a causal mask or positions). A context value made in one
   stage and read by a later one is computed once, before the chain, and held for the whole step
@@ -115,10 +121,14 @@ def stage_digest(p: StagePlan, invars: Sequence[Any]) -> str:
 class JaxprChain:
     """A traced function cut into a :class:`~jaxremat.Chain` of stages."""
 
-    def __init__(self, closed: Any, cuts: Cuts):
-        self.closed, self.cuts = closed, cuts
+    def __init__(self, closed: Any, cuts: Cuts, constants: Sequence[Any] = ()):
+        """``closed`` cut by ``cuts`` (bounds into its equations); ``constants``: equations of
+        literals alone taken out of it (:func:`split_constants`), recomputed by each stage that
+        reads them."""
+        self.closed, self.cuts, self.constants = closed, cuts, tuple(constants)
         jaxpr = closed.jaxpr
         eqns = jaxpr.eqns
+        free = {v for e in self.constants for v in e.outvars if _is_var(v)}
         self.invars = list(jaxpr.invars)
         pos = {v: n for n, v in enumerate(self.invars)}
         consts = dict(zip(jaxpr.constvars, closed.consts))
@@ -130,7 +140,7 @@ class JaxprChain:
                     if _is_var(v):
                         stage_of[v] = k
         # no gradient: non-inexact inputs, constants, and what is computed from those alone
-        nograd = {v for v in self.invars if not _inexact(v)} | set(jaxpr.constvars)
+        nograd = {v for v in self.invars if not _inexact(v)} | set(jaxpr.constvars) | free
         for e in eqns:
             if all(not _is_var(v) or v in nograd for v in e.invars):
                 nograd.update(v for v in e.outvars if _is_var(v))
@@ -151,6 +161,7 @@ class JaxprChain:
         for k in range(L):
             sl = tuple(eqns[cuts.bounds[k] : cuts.bounds[k + 1]])
             reads = {v for e in sl for v in e.invars if _is_var(v)} | (set(outs) if k == L - 1 else set())
+            sl = _needed(self.constants, reads) + sl
             params = tuple(sorted(pos[v] for v in reads if v in pos and _inexact(v)))
             inputs = tuple(sorted(pos[v] for v in reads if v in pos and not _inexact(v)))
             context = tuple(v for v in made if v in reads and stage_of[v] < k and v in nograd)
@@ -166,12 +177,19 @@ class JaxprChain:
         # the prologue: the equations the context values need, in order
         need = set(self.context_vars)
         prologue = []
-        for e in reversed(eqns):
+        for e in reversed((*self.constants, *eqns)):  # the constants depend on nothing after them
             if any(_is_var(v) and v in need for v in e.outvars):
                 prologue.append(e)
                 need.update(v for v in e.invars if _is_var(v))
         self.prologue = tuple(reversed(prologue))
         self.chain = Chain(tuple(self._stage(k) for k in range(L)))
+
+    @classmethod
+    def of(cls, closed: Any, stages: Any = "auto", max_stages: int = MAX_STAGES) -> "JaxprChain":
+        """``closed`` cut into stages by :func:`find_cuts` (``stages``, ``max_stages``), its
+        constants taken out first (:func:`split_constants`)."""
+        kept, constants = split_constants(closed)
+        return cls(kept, find_cuts(kept.jaxpr, stages, max_stages), constants)
 
     def _stage(self, k: int) -> Stage:
         p = self.plans[k]
@@ -240,6 +258,33 @@ class JaxprChain:
         return sum(_nbytes(v) for v in self.context_vars)
 
 
+def split_constants(closed: Any) -> tuple[Any, tuple]:
+    """``closed`` without the equations that compute from literals alone (transitively; none with
+    effects), and those equations in order. The jaxpr returned reads their outputs without making
+    them: it is for cutting and for :class:`JaxprChain`, which recomputes them where read."""
+    free: set = set()
+    constants, kept = [], []
+    for e in closed.jaxpr.eqns:
+        if not e.effects and all(not _is_var(v) or v in free for v in e.invars):
+            constants.append(e)
+            free.update(v for v in e.outvars if _is_var(v))
+        else:
+            kept.append(e)
+    if not constants:
+        return closed, ()
+    return closed.replace(jaxpr=closed.jaxpr.replace(eqns=kept)), tuple(constants)
+
+
+def _needed(constants: Sequence[Any], reads: set) -> tuple:
+    """The equations of ``constants`` that the values ``reads`` need, in order."""
+    need, found = set(reads), []
+    for e in reversed(constants):
+        if any(_is_var(v) and v in need for v in e.outvars):
+            found.append(e)
+            need.update(v for v in e.invars if _is_var(v))
+    return tuple(reversed(found))
+
+
 def trace(fun: Callable, args: tuple) -> tuple[Any, Any, Any]:
     """``fun``'s closed jaxpr at ``args``' shapes, with the input and output tree structures."""
     flat, in_tree = jax.tree.flatten(args)
@@ -262,4 +307,4 @@ def trace(fun: Callable, args: tuple) -> tuple[Any, Any, Any]:
     return closed, in_tree, out_tree[0]
 
 
-__all__ = ["Cuts", "JaxprChain", "StagePlan", "crossing_bytes", "find_cuts", "trace"]
+__all__ = ["Cuts", "JaxprChain", "StagePlan", "crossing_bytes", "find_cuts", "split_constants", "trace"]

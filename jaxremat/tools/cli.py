@@ -125,7 +125,7 @@ def _jaxpr_chain(args: argparse.Namespace, model: Any, x: Any, shape: tuple, dty
     import jax
     import jax.numpy as jnp
 
-    from jaxremat.model.jaxpr_chain import JaxprChain, find_cuts, trace
+    from jaxremat.model.jaxpr_chain import JaxprChain, trace
 
     try:
         variables = model.init(jax.random.key(0), x)
@@ -137,7 +137,7 @@ def _jaxpr_chain(args: argparse.Namespace, model: Any, x: Any, shape: tuple, dty
         return jnp.mean(jnp.square(model.apply(v, x)).astype(jnp.float32))
 
     closed, _, _ = trace(loss, (variables, x))
-    traced = JaxprChain(closed, find_cuts(closed.jaxpr))
+    traced = JaxprChain.of(closed)
     print(f"{args.model}: {traced.cuts.count} stages cut by {traced.cuts.how}")
     return model, traced.chain, traced.variables(jax.tree.leaves((variables, x))), ()
 
