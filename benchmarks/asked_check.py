@@ -52,8 +52,9 @@ def check(name: str) -> ModelCheck:
     base = next(p for p in cmp.points if p.strategy == "no remat").flops
     manual = {p.strategy: p for p in cmp.points if p.kind == "manual"}
     # the sweep and the asked rows (not calibration's trial plans, which compare() also compiles)
-    planned = [p for p in cmp.points
-               if p.kind in ("jaxremat", "matched") and not p.strategy.startswith("jaxremat calibrated")]
+    planned = [
+        p for p in cmp.points if p.kind in ("jaxremat", "matched") and not p.strategy.startswith("jaxremat calibrated")
+    ]
     ratios = [p.temp / p.predicted_peak for p in planned if p.predicted_peak]
     rows, wins, asked = [], 0, 0
     for p in cmp.points:
@@ -66,8 +67,10 @@ def check(name: str) -> ModelCheck:
             continue
         ok = fits_in_flops(m, p)
         wins += ok
-        why = "ok" if ok else ", ".join(
-            w for w, bad in (("more memory", p.temp > m.temp), ("more flops", more_flops(m, p))) if bad
+        why = (
+            "ok"
+            if ok
+            else ", ".join(w for w, bad in (("more memory", p.temp > m.temp), ("more flops", more_flops(m, p))) if bad)
         )
         rows.append(
             f"| {name} | {m.strategy} | {m.temp / MIB:.2f} | {m.flops / base:.3f} | {p.predicted_peak / MIB:.2f} "
@@ -90,29 +93,34 @@ def main() -> None:
     for name in args.models:
         t0 = time.perf_counter()
         c = check(name)
-        print(f"{name}: {c.wins} of {c.asked}, temp / predicted {c.low:.3f}-{c.high:.3f} "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(
+            f"{name}: {c.wins} of {c.asked}, temp / predicted {c.low:.3f}-{c.high:.3f} "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
         table += c.rows
         summary.append(f"| {name} | {c.wins} of {c.asked} | {c.low:.3f}–{c.high:.3f} |")
         total = [total[0] + c.wins, total[1] + c.asked]
-    text = "\n".join([
-        "# Asked plans against hand-written strategies: memory and flops (no timing)",
-        "",
-        f"Measured {datetime.date.today().isoformat()}, jax {jax.__version__}, CPU, every step the update step "
-        "(Adam, parameters and state donated) compiled with `cse_barrier_expander` disabled; costs profiled "
-        "with `method=\"measure\"`. Command: `python benchmarks/asked_check.py "
-        f"--models {' '.join(args.models)}`. Flops are over no remat's. A row is a win when jaxremat's plan, "
-        "asked for the strategy's XLA temp plus the input, uses no more XLA temp and no more compiled flops "
-        "(0.1% slack). Temp / predicted covers the asked rows and the 8-budget sweep.",
-        "",
-        "| model | asked: fits in no more flops | XLA temp / predicted |",
-        "|---|---|---|",
-        *summary,
-        f"| all | {total[0]} of {total[1]} | |",
-        "",
-        *table,
-        "",
-    ])
+    text = "\n".join(
+        [
+            "# Asked plans against hand-written strategies: memory and flops (no timing)",
+            "",
+            f"Measured {datetime.date.today().isoformat()}, jax {jax.__version__}, CPU, every step the update step "
+            "(Adam, parameters and state donated) compiled with `cse_barrier_expander` disabled; costs profiled "
+            'with `method="measure"`. Command: `python benchmarks/asked_check.py '
+            f"--models {' '.join(args.models)}`. Flops are over no remat's. A row is a win when jaxremat's plan, "
+            "asked for the strategy's XLA temp plus the input, uses no more XLA temp and no more compiled flops "
+            "(0.1% slack). Temp / predicted covers the asked rows and the 8-budget sweep.",
+            "",
+            "| model | asked: fits in no more flops | XLA temp / predicted |",
+            "|---|---|---|",
+            *summary,
+            f"| all | {total[0]} of {total[1]} | |",
+            "",
+            *table,
+            "",
+        ]
+    )
     out = Path(__file__).resolve().parent / "results" / "asked_check.md"
     out.write_text(text)
     print(f"wrote {out}")

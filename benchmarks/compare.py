@@ -41,15 +41,16 @@ def main() -> None:
         factory, shape, dtype = SAMPLES[name]
         print(f"{name}: {LABELS[name]}", flush=True)
         t0 = time.perf_counter()
-        _, md = bench.run(LABELS[name], factory(), sample_input(shape, dtype), out, name=f"compare_{name}",
-                          rounds=args.rounds)
+        _, md = bench.run(
+            LABELS[name], factory(), sample_input(shape, dtype), out, name=f"compare_{name}", rounds=args.rounds
+        )
         print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
         sections.append(md)
     head = [
         "# jaxremat against hand-written `jax.checkpoint` strategies (CPU)",
         "",
         f"Measured {datetime.date.today().isoformat()} on a 2-core CPU VM, jax {jax.__version__}, every step compiled "
-        "with `cse_barrier_expander` disabled, costs profiled with `method=\"measure\"`. Step times are medians of "
+        'with `cse_barrier_expander` disabled, costs profiled with `method="measure"`. Step times are medians of '
         f"{args.rounds} interleaved rounds x 5 calls; on this machine they vary by up to ±9% between runs, so "
         "differences "
         f"below the larger of {bench.NOISE:.0%} of the no-remat time and the spread measured in the same run between "
@@ -57,7 +58,8 @@ def main() -> None:
         f"Command: `python benchmarks/compare.py --models {' '.join(args.models)}`",
         "",
         "How to read it. Every strategy is compiled as the step users run: loss, gradients and an Adam update, "
-        "parameters and optimizer state donated. For each hand-written strategy, jaxremat `\"optimal\"` is given that strategy's "
+        'parameters and optimizer state donated. For each hand-written strategy, jaxremat `"optimal"` is given that '
+        'strategy\'s '
         "XLA-measured temp memory (plus the input, which the plan counts) as its budget twice: *asked* solves "
         "on the profiled cost model alone; *calibrated* (`calibrate=True`) also compiles candidate schedules "
         "and corrects the budget by XLA's measured error until the measured memory fits. A result is a win "

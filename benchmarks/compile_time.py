@@ -38,7 +38,9 @@ class Scanned(nn.Module):
     def __call__(self, x):
         block = nn.scan(
             nn.remat(lambda mdl, x, _: (TransformerBlock(HEADS, WIDTH, parent=mdl)(x), None)),
-            variable_axes={"params": 0}, split_rngs={"params": True}, length=self.blocks,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.blocks,
         )
         return block(self, x, None)[0]
 
@@ -96,8 +98,7 @@ def repeat_rows(blocks: int, rounds: int = 3) -> list[tuple[str, float, str, str
 def depth_table(depths: list[int]) -> None:
     """Compile time of nn.scan(nn.remat(block)) and of jaxremat's Repeat plans at several depths."""
     lines = [
-        "# Compile time against depth, transformer blocks (width "
-        f"{WIDTH}, {TOKENS} tokens), CPU",
+        f"# Compile time against depth, transformer blocks (width {WIDTH}, {TOKENS} tokens), CPU",
         "",
         f"Measured {datetime.date.today().isoformat()}, jax {jax.__version__}. Command: "
         f"`python benchmarks/compile_time.py --depths {' '.join(map(str, depths))}`. Seconds to trace, lower "
@@ -144,7 +145,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=48)
     parser.add_argument(
-        "--depths", type=int, nargs="+", default=None,
+        "--depths",
+        type=int,
+        nargs="+",
+        default=None,
         help="instead: the baseline and the Repeat rows at each depth (writes compile_depth.md)",
     )
     args = parser.parse_args()
@@ -164,7 +168,12 @@ def main() -> None:
         for scan in (False, True):
             f = jr.execute(chain, sched, scan=scan)
             t = compile_seconds(jax.grad(lambda v: jnp.mean(f(v, x)[0] ** 2)), v, tries=1)
-            name = f"jaxremat {algorithm}" + (f" at {budget}" if budget else "") + ", Sequential" + (", scan=True" if scan else "")
+            name = (
+                f"jaxremat {algorithm}"
+                + (f" at {budget}" if budget else "")
+                + ", Sequential"
+                + (", scan=True" if scan else "")
+            )
             rows.append((name, t, f"{sched.overhead:.3f}", ""))
     lines = [
         f"# Compile time, {args.blocks} transformer blocks (width {WIDTH}, {TOKENS} tokens), CPU",
@@ -178,7 +187,8 @@ def main() -> None:
         "training step with its Adam update (parameters and optimizer state donated) over the planned peak "
         "(less the input), Repeat rows only.",
         "",
-        "| step (loss and gradients) | compile time (s) | over nn.scan(nn.remat) | planned time overhead | XLA temp / plan |",
+        "| step (loss and gradients) | compile time (s) | over nn.scan(nn.remat) | planned time overhead | XLA temp "
+        "/ plan |",
         "|---|---|---|---|---|",
     ]
     lines += [f"| {name} | {t:.2f} | {t / t_base:.2f}x | {ov} | {fid} |" for name, t, ov, fid in rows]

@@ -46,7 +46,11 @@ def chains(scale: int = 1):
     gpt = Chain.from_linen(zoo.gpt(blocks=12))
     yield "GPT-style decoder, 12 blocks, 128 tokens", gpt, zoo.sample_input((max(1, b // 4), 128), "int32")
     stacked = Chain.from_linen(zoo.gpt(blocks=12, stacked=True))
-    yield "GPT-style decoder, 12 blocks as one Repeat (loop plan)", stacked, zoo.sample_input((max(1, b // 4), 128), "int32")
+    yield (
+        "GPT-style decoder, 12 blocks as one Repeat (loop plan)",
+        stacked,
+        zoo.sample_input((max(1, b // 4), 128), "int32"),
+    )
 
 
 def rows(scale: int = 1, shares=("30%", "50%", "75%"), returning: bool = False):
@@ -70,14 +74,15 @@ def rows(scale: int = 1, shares=("30%", "50%", "75%"), returning: bool = False):
             ret = None
             if returning:  # the same schedule in a step that returns the gradients, for comparison
                 f, per = jr.execute(chain, sched), chain.layer_variables(v)
-                ret = returning_temp(lambda vs, a: f(chain.from_layer_variables(vs), a)[0], per,
-                                     [u.get("params", {}) for u in per], x)
+                ret = returning_temp(
+                    lambda vs, a: f(chain.from_layer_variables(vs), a)[0], per, [u.get("params", {}) for u in per], x
+                )
             yield label, share, (sched, temp, flops, pflops, int(costs.x[0]), ret), None
 
 
 def main() -> None:
     lines = [
-        "# Executed schedules against the plan (`\"optimal\"`, CPU)",
+        '# Executed schedules against the plan (`"optimal"`, CPU)',
         "",
         f"Measured {datetime.date.today().isoformat()}, jax {jax.__version__}, `cse_barrier_expander` disabled. "
         "Command: `python benchmarks/fidelity.py`",
@@ -87,7 +92,8 @@ def main() -> None:
         "in a step that returns the loss and gradients instead, where XLA can keep activations in the "
         "gradient output buffers, which its temp leaves out (shown for comparison).",
         "",
-        "| chain | budget | predicted peak − a_0 | XLA temp | temp / predicted | gradient-returning step: temp / predicted | "
+        "| chain | budget | predicted peak − a_0 | XLA temp | temp / predicted | gradient-returning step: temp / "
+        "predicted | "
         "time overhead (plan) | compiled flops / predicted |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -45,16 +45,29 @@ from jaxremat.tools.models import gpt, resnet, sample_input
 SIZES = {
     # name: (factory, kwargs, input shape, dtype)
     "GPT-2-small-style, 12 blocks, width 768, 12 heads, vocab 32768, 8 x 1024 tokens": (
-        gpt, dict(blocks=12, width=768, heads=12, vocab=32768), (8, 1024), "int32"),
+        gpt,
+        dict(blocks=12, width=768, heads=12, vocab=32768),
+        (8, 1024),
+        "int32",
+    ),
     "ResNet-style, (3, 4, 6, 3) blocks, width 64, 64 x 224x224x3": (
-        resnet, dict(blocks=(3, 4, 6, 3), width=64, classes=1000), (64, 224, 224, 3), "float32"),
+        resnet,
+        dict(blocks=(3, 4, 6, 3), width=64, classes=1000),
+        (64, 224, 224, 3),
+        "float32",
+    ),
 }
 TINY = {
     "GPT-style tiny": (gpt, dict(blocks=2, width=32, heads=2, vocab=64), (2, 16), "int32"),
     "ResNet-style tiny": (resnet, dict(blocks=(1, 1), width=8, classes=10), (2, 8, 8, 3), "float32"),
 }
-MANUAL = ("no remat", "remat every block", "checkpoint whole chain", "policy dots_saveable",
-          "policy dots_with_no_batch_dims_saveable")
+MANUAL = (
+    "no remat",
+    "remat every block",
+    "checkpoint whole chain",
+    "policy dots_saveable",
+    "policy dots_with_no_batch_dims_saveable",
+)
 
 
 @dataclasses.dataclass
@@ -96,7 +109,9 @@ def costs_of(chain: jr.Chain, v, x) -> jr.ChainCosts:
     """Measured costs on a GPU; on the CPU (``--tiny``, a test of this script) roofline costs,
     which profile in a fraction of the time."""
     if jax.devices()[0].platform == "cpu":
-        return jr.profile(chain, v, x, method="xla", rates=jr.profiling.Rates(1e10, 1e10), quiet=True, loss=measured_loss)
+        return jr.profile(
+            chain, v, x, method="xla", rates=jr.profiling.Rates(1e10, 1e10), quiet=True, loss=measured_loss
+        )
     return jr.profile(chain, v, x, method="measure", quiet=True, loss=measured_loss)
 
 
@@ -134,8 +149,13 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
             print(f"  jaxremat at {n}'s memory: does not fit (least {jr.format_bytes(e.min_budget)})")
             continue
         f = jr.execute(chain, sched)
-        p = compare.Point(f"jaxremat at '{n}'", "matched", predicted_peak=sched.peak - x0,
-                          predicted_overhead=sched.overhead, matches=n)
+        p = compare.Point(
+            f"jaxremat at '{n}'",
+            "matched",
+            predicted_peak=sched.peak - x0,
+            predicted_overhead=sched.overhead,
+            matches=n,
+        )
         points.append(compare.compile_point(p, lambda vs, a, f=f: f(chain.merge(vs), a)[0], per, params, x))
         clock.log(f"compiled {p.strategy} ({p.compile_s:.0f} s)")
     bw = bandwidth()
@@ -148,8 +168,12 @@ def check(label: str, factory, kwargs: dict, shape: tuple, dtype: str, calls: in
             except jr.InfeasibleBudget:
                 continue
             f = jr.execute(chain, sched)
-            p = compare.Point(f"jaxremat {alg} at {share} ({len(sched.offloads)} offloaded)", "offload",
-                              predicted_peak=sched.peak - x0, predicted_overhead=sched.overhead)
+            p = compare.Point(
+                f"jaxremat {alg} at {share} ({len(sched.offloads)} offloaded)",
+                "offload",
+                predicted_peak=sched.peak - x0,
+                predicted_overhead=sched.overhead,
+            )
             points.append(compare.compile_point(p, lambda vs, a, f=f: f(chain.merge(vs), a)[0], per, params, x))
             clock.log(f"compiled {p.strategy} ({p.compile_s:.0f} s)")
     return measure(label, points, params, x, calls)
@@ -180,15 +204,25 @@ def measure(label: str, points: list, params: list, x, calls: int) -> list[list[
     for p in points:
         if p.kind == "offload":
             got, ref = jax.tree.leaves(outputs[p.strategy]), jax.tree.leaves(outputs["no remat"])
-            err = max(float(np.max(np.abs(a - b))) for a, b in zip(got, ref)) / max(float(np.max(np.abs(b))) for b in ref)
+            err = max(float(np.max(np.abs(a - b))) for a, b in zip(got, ref)) / max(
+                float(np.max(np.abs(b))) for b in ref
+            )
             p.matches = f"grads rel. err {err:.1e}"
     base = next(p for p in points if p.strategy == "no remat")
     for p in points:
-        rows.append([label, p.strategy + (f"; {p.matches}" if p.kind == "offload" and p.matches else ""),
-                     jr.format_bytes(p.temp),
-                     "" if p.predicted_peak is None else jr.format_bytes(p.predicted_peak), p.note,
-                     f"{p.time * 1e3:.1f}", f"{p.time / base.time:.2f}", f"{p.flops / base.flops:.2f}" if p.flops > 0 and base.flops > 0 else "n/a",
-                     "" if p.predicted_overhead is None else f"{p.predicted_overhead:.2f}"])
+        rows.append(
+            [
+                label,
+                p.strategy + (f"; {p.matches}" if p.kind == "offload" and p.matches else ""),
+                jr.format_bytes(p.temp),
+                "" if p.predicted_peak is None else jr.format_bytes(p.predicted_peak),
+                p.note,
+                f"{p.time * 1e3:.1f}",
+                f"{p.time / base.time:.2f}",
+                f"{p.flops / base.flops:.2f}" if p.flops > 0 and base.flops > 0 else "n/a",
+                "" if p.predicted_overhead is None else f"{p.predicted_overhead:.2f}",
+            ]
+        )
         p.compiled = None
     return rows
 
@@ -218,9 +252,17 @@ def stacked_offload(label: str, kwargs: dict, shape: tuple, dtype: str, calls: i
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             p = compare.compile_point(
-                compare.Point(f"jaxremat optimal_offload at {share} ({len(sched.offloads)} offloaded)", "offload",
-                              predicted_peak=sched.peak - x0, predicted_overhead=sched.overhead),
-                lambda vs, a, f=f: f(chain.from_layer_variables(vs), a)[0], per, params, x)
+                compare.Point(
+                    f"jaxremat optimal_offload at {share} ({len(sched.offloads)} offloaded)",
+                    "offload",
+                    predicted_peak=sched.peak - x0,
+                    predicted_overhead=sched.overhead,
+                ),
+                lambda vs, a, f=f: f(chain.from_layer_variables(vs), a)[0],
+                per,
+                params,
+                x,
+            )
         unrolled = any("runs unrolled" in str(w.message) for w in seen)
         p.strategy += ", unrolled" if unrolled else ", as loops"
         points.append(p)
@@ -230,8 +272,17 @@ def stacked_offload(label: str, kwargs: dict, shape: tuple, dtype: str, calls: i
 
 def render(rows: list[list[str]], card: str, clock: Clock, tiny: bool) -> str:
     """The results file: the table, the command and what the deadline left out."""
-    head = ["model", "strategy", "XLA temp", "predicted", "peak_bytes_in_use - before", "step ms", "over no remat",
-            "flops over no remat", "predicted over store-all"]
+    head = [
+        "model",
+        "strategy",
+        "XLA temp",
+        "predicted",
+        "peak_bytes_in_use - before",
+        "step ms",
+        "over no remat",
+        "flops over no remat",
+        "predicted over store-all",
+    ]
     lines = [
         f"# GPU check: {card}, {datetime.date.today().isoformat()}, jax {jax.__version__}",
         "",
@@ -248,7 +299,11 @@ def render(rows: list[list[str]], card: str, clock: Clock, tiny: bool) -> str:
     if clock.skipped:
         lines += ["", "Left out at the deadline: " + "; ".join(clock.skipped) + "."]
     if clock.failed:
-        lines += ["", "Failed (the traceback is in the run's output):", *[f"- {f.splitlines()[0][:300]}" for f in clock.failed]]
+        lines += [
+            "",
+            "Failed (the traceback is in the run's output):",
+            *[f"- {f.splitlines()[0][:300]}" for f in clock.failed],
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -258,10 +313,18 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--calls", type=int, default=10, help="timed calls per strategy (default 10)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--only", help="run only the models whose name contains this")
-    parser.add_argument("--deadline", type=float, default=420.0,
-                        help="seconds after which no new profile or compilation starts (default 420)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "gpu_check.md",
-                        help="where the table is written (default benchmarks/results/gpu_check.md)")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=420.0,
+        help="seconds after which no new profile or compilation starts (default 420)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "gpu_check.md",
+        help="where the table is written (default benchmarks/results/gpu_check.md)",
+    )
     args = parser.parse_args(argv)
     dev = jax.devices()[0]
     card = getattr(dev, "device_kind", dev.platform)

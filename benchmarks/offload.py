@@ -35,8 +35,12 @@ MODELS = {
     "gpt": ("GPT-2-style decoder, 12 blocks, width 128, 4 x 128 tokens", lambda: zoo.gpt(), (4, 128), "int32"),
     "autoencoder": ("Conv autoencoder, 8 x 64x64x3", lambda: zoo.autoencoder(), (8, 64, 64, 3), "float32"),
     "mixer": ("MLP-Mixer, 8 blocks, width 128, 16 x 32x32x3", lambda: zoo.mixer(), (16, 32, 32, 3), "float32"),
-    "gpt-small": ("GPT-2-small-sized decoder, 12 blocks, width 768, 12 heads, vocab 8192, 8 x 512 tokens",
-                  lambda: zoo.gpt(blocks=12, width=768, heads=12, vocab=8192), (8, 512), "int32"),
+    "gpt-small": (
+        "GPT-2-small-sized decoder, 12 blocks, width 768, 12 heads, vocab 8192, 8 x 512 tokens",
+        lambda: zoo.gpt(blocks=12, width=768, heads=12, vocab=8192),
+        (8, 512),
+        "int32",
+    ),
 }
 
 
@@ -119,8 +123,13 @@ def main() -> None:
             for k, color in (("remat", "tab:blue"), ("offload", "tab:orange"), ("both", "tab:green")):
                 if fr[k] and (k != "remat" or bw == BANDWIDTHS[0]):
                     p, o = zip(*sorted(fr[k]))
-                    ax.plot(np.array(p) / 2**20, o, style if k != "remat" else "-", color=color,
-                            label=f"{k}" + ("" if k == "remat" else f" {bw / 1e9:.0f} GB/s"))
+                    ax.plot(
+                        np.array(p) / 2**20,
+                        o,
+                        style if k != "remat" else "-",
+                        color=color,
+                        label=f"{k}" + ("" if k == "remat" else f" {bw / 1e9:.0f} GB/s"),
+                    )
         ax.set_title(MODELS[name][0][:40], fontsize=8)
         ax.set_xlabel("predicted peak (MiB)")
         ax.set_ylabel("time over store-all")
@@ -136,11 +145,12 @@ def main() -> None:
         f"Computed {datetime.date.today().isoformat()}, jax {jax.__version__}: costs from the roofline method at "
         f"{args.device} vendor rates ({rates.flops / 1e12:.1f} TFLOP/s, {rates.bandwidth / 1e12:.2f} TB/s), "
         "schedules replayed by `jaxremat.simulate`; no GPU ran. Command: `python benchmarks/offload.py"
-        + ("" if args.device == "H100" else f" --device {args.device}") + "`",
+        + ("" if args.device == "H100" else f" --device {args.device}")
+        + "`",
         "",
         "Memory reduction: the store-all peak over the least predicted peak whose time is within 10% / 20% of "
         "store-all. *offload alone* stores every stage whole and moves bundles to host memory where the link "
-        "hides them; *both* is `\"optimal_offload\"`. *link's reach*: the share of the store-all bundle bytes the "
+        'hides them; *both* is `"optimal_offload"`. *link\'s reach*: the share of the store-all bundle bytes the '
         "link can carry to the host during the whole forward pass (bandwidth × forward time / bundle bytes), an upper "
         "bound on what any offload schedule hides.",
         "",
@@ -150,7 +160,8 @@ def main() -> None:
     ]
     for name, bw, red, compute, acts, reach in rows:
         lines.append(
-            f"| {name} | {bw / 1e9:.0f} GB/s | {compute * 1e3:.3f} | {acts / 2**20:.1f} | {acts / (compute * 1e6):.0f} | "
+            f"| {name} | {bw / 1e9:.0f} GB/s | {compute * 1e3:.3f} | {acts / 2**20:.1f} | "
+            f"{acts / (compute * 1e6):.0f} | "
             f"{reach:.1%} | "
             f"{fmt(red['remat'][0])} | {fmt(red['remat'][1])} | {fmt(red['offload'][0])} | {fmt(red['offload'][1])} | "
             f"{fmt(red['both'][0])} | {fmt(red['both'][1])} |"

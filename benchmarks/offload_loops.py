@@ -60,8 +60,10 @@ def main() -> None:
         kept = [op for op in sched.ops if op.kind not in (OpKind.OFFLOAD, OpKind.PREFETCH)]
         plain = jr.Schedule.from_ops(costs, kept, budget=None, algorithm="optimal_offload, transfers dropped")
         a, b, c = temp(chain, sched, v, x, None), temp(chain, plain, v, x, None), temp(chain, sched, v, x, False)
-        rows.append(f"| {share:.0%} | {len(sched.offloads)} | {segs} | {mib(a)} | {mib(b)} | {a / b:.3f} | {mib(c)} | "
-                    f"{mib(sched.peak)} | {mib(plain.peak)} |")
+        rows.append(
+            f"| {share:.0%} | {len(sched.offloads)} | {segs} | {mib(a)} | {mib(b)} | {a / b:.3f} | {mib(c)} | "
+            f"{mib(sched.peak)} | {mib(plain.peak)} |"
+        )
         print(rows[-1], flush=True)
     lines = [
         "# Offload loops on the CPU: memory against the same loops without transfers",
@@ -74,7 +76,8 @@ def main() -> None:
         "each one forward and one backward scan. On the CPU nothing moves, so the offload loops should use what "
         "the loops without transfers use; the plan counts offloaded buffers as gone.",
         "",
-        "| budget | offloaded | segments | offload loops | same, nothing moved | ratio | unrolled | plan | plan without transfers |",
+        "| budget | offloaded | segments | offload loops | same, nothing moved | ratio | unrolled | plan | plan "
+        "without transfers |",
         "|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]

@@ -49,15 +49,18 @@ def rows_for(key: str) -> tuple[list[str], list[str]]:
         try:
             plan = f.plan(*case.args)
         except jr.InfeasibleBudget as e:
-            budget_rows.append(f"| {case.name} | {budget} | refused: least measured {jr.format_bytes(e.min_budget)} "
-                               f"(budget {jr.format_bytes(e.budget)}) | | | | {time.perf_counter() - t0:.1f} |")
+            budget_rows.append(
+                f"| {case.name} | {budget} | refused: least measured {jr.format_bytes(e.min_budget)} "
+                f"(budget {jr.format_bytes(e.budget)}) | | | | {time.perf_counter() - t0:.1f} |"
+            )
             print(budget_rows[-1], flush=True)
             continue
         setup = time.perf_counter() - t0
         temp, flops = step_figures(f, case.args, case.has_aux)
         v = plan.verification
         budget_rows.append(
-            f"| {case.name} | {budget} | {jr.format_bytes(v.budget)} | {temp / v.budget:.3f} | {flops / plain_flops:.3f} | "
+            f"| {case.name} | {budget} | {jr.format_bytes(v.budget)} | {temp / v.budget:.3f} | "
+            f"{flops / plain_flops:.3f} | "
             f"{v.corrections} ({v.chosen}) | {setup:.1f} |"
         )
         print(budget_rows[-1], flush=True)
@@ -68,11 +71,15 @@ def rows_for(key: str) -> tuple[list[str], list[str]]:
             f.plan(*case.args)
             temp, got = step_figures(f, case.args, case.has_aux)
             verdict = "no more" if got <= flops * 1.001 else "MORE"
-            hand_rows.append(f"| {case.name} | {hand} | {jr.format_bytes(memory)} | {temp / memory:.3f} | "
-                             f"{got / flops:.3f} | {verdict} |")
+            hand_rows.append(
+                f"| {case.name} | {hand} | {jr.format_bytes(memory)} | {temp / memory:.3f} | "
+                f"{got / flops:.3f} | {verdict} |"
+            )
         except jr.InfeasibleBudget as e:
-            hand_rows.append(f"| {case.name} | {hand} | {jr.format_bytes(memory)} | refused (least measured "
-                             f"{jr.format_bytes(e.min_budget)}) | | MISSED |")
+            hand_rows.append(
+                f"| {case.name} | {hand} | {jr.format_bytes(memory)} | refused (least measured "
+                f"{jr.format_bytes(e.min_budget)}) | | MISSED |"
+            )
         print(hand_rows[-1], flush=True)
     return budget_rows, hand_rows
 
@@ -94,7 +101,7 @@ def write(budget_rows: list[str], hand_rows: list[str], left: list[str]) -> None
         "# Verified plans on models written by others",
         "",
         f"Measured {datetime.date.today().isoformat()}, CPU, jax {jax.__version__}, `cse_barrier_expander` disabled; "
-        "plans from `method=\"xla\"`; the step is the user's (gradient of the first argument, Adam, donated), "
+        'plans from `method="xla"`; the step is the user\'s (gradient of the first argument, Adam, donated), '
         "compiled apart from the plan's verification. Command: `python benchmarks/outside.py`",
         "",
         "## Budgets",

@@ -64,8 +64,14 @@ def rows_for(name: str) -> list[str]:
         flops = predicted_flops(costs, plan.ops), predicted_flops(costs, hand.ops)
         ratio = "" if None in flops else f"{flops[0] / flops[1]:.3f}"
         over = (hand.peak - x0 - temp) / MIB
-        why = [w for w, yes in (("predicted over the memory", over > 0),
-                                 (f"predicted {hand.time / plan.time - 1:.1%} slower", hand.time > plan.time)) if yes]
+        why = [
+            w
+            for w, yes in (
+                ("predicted over the memory", over > 0),
+                (f"predicted {hand.time / plan.time - 1:.1%} slower", hand.time > plan.time),
+            )
+            if yes
+        ]
         why = "; ".join(why) or "the plan is the policy or runs fewer flops"
         out.append(
             f"| {name} | {policy} | {temp / MIB:.3f} | {(hand.peak - x0) / MIB:.3f} ({over:+.3f}) | "
@@ -80,20 +86,34 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--models", nargs="+", default=list(SAMPLES), choices=list(SAMPLES))
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    head = ["model", "policy", "strategy's XLA temp (MiB)", "every stage under it: predicted (over)",
-            "its predicted time / store-all", "the plan's predicted peak", "the plan's predicted time / store-all",
-            "the plan's flops / the policy's (predicted)", "why the plan is not the policy"]
+    head = [
+        "model",
+        "policy",
+        "strategy's XLA temp (MiB)",
+        "every stage under it: predicted (over)",
+        "its predicted time / store-all",
+        "the plan's predicted peak",
+        "the plan's predicted time / store-all",
+        "the plan's flops / the policy's (predicted)",
+        "why the plan is not the policy",
+    ]
     rows = [r for name in args.models for r in rows_for(name)]
-    text = "\n".join([
-        f"# Hand-written policies against the plan at their memory ({datetime.date.today().isoformat()}, jax {jax.__version__})",
-        "",
-        "Command: `python benchmarks/policy_gap.py` (the cost model only; strategy memory from "
-        "`compare_<model>.csv`)",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-        *rows,
-    ]) + "\n"
+    text = (
+        "\n".join(
+            [
+                f"# Hand-written policies against the plan at their memory ({datetime.date.today().isoformat()}, jax "
+                f"{jax.__version__})",
+                "",
+                "Command: `python benchmarks/policy_gap.py` (the cost model only; strategy memory from "
+                "`compare_<model>.csv`)",
+                "",
+                "| " + " | ".join(head) + " |",
+                "|" + "---|" * len(head),
+                *rows,
+            ]
+        )
+        + "\n"
+    )
     if not args.no_write:
         (RESULTS / "policy_gap.md").write_text(text)
     print(text)

@@ -72,7 +72,15 @@ def models(scale: int = 1):
     """The three test chains; ``scale`` divides batch sizes (tests use smaller ones)."""
     b = lambda n: max(1, n // scale)  # noqa: E731
     yield "MLP 8 x Dense(512)+gelu", Chain.from_linen([Block(512) for _ in range(8)]), jnp.ones((b(2048), 512))
-    cnn = [ConvBlock(32, 1), ConvBlock(32, 1), ConvBlock(64, 2), ConvBlock(64, 1), ConvBlock(128, 2), ConvBlock(128, 1), Head(10)]
+    cnn = [
+        ConvBlock(32, 1),
+        ConvBlock(32, 1),
+        ConvBlock(64, 2),
+        ConvBlock(64, 1),
+        ConvBlock(128, 2),
+        ConvBlock(128, 1),
+        Head(10),
+    ]
     yield "CNN 6 conv (2 downsampling) + head", Chain.from_linen(cnn), jnp.ones((b(32), 64, 64, 3))
     tf = [TransformerBlock(4, 256) for _ in range(4)]
     yield "Transformer 4 blocks, width 256, 256 tokens", Chain.from_linen(tf), jnp.ones((b(8), 256, 256))
@@ -148,7 +156,8 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {m} | {a} | {jr.format_bytes(p)} | {jr.format_bytes(t)} | {t / p:.3f} | {jr.format_bytes(r)} | {r / p:.3f} |"
+        f"| {m} | {a} | {jr.format_bytes(p)} | {jr.format_bytes(t)} | {t / p:.3f} | {jr.format_bytes(r)} | "
+        f"{r / p:.3f} |"
         for m, a, t, p, r in rows
     ]
     lines += [

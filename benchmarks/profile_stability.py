@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(SAMPLES), choices=list(SAMPLES))
     args = parser.parse_args()
     lines = [
-        "# Two profiles in a row (`method=\"measure\"`, cache off)",
+        '# Two profiles in a row (`method="measure"`, cache off)',
         "",
         f"Measured {datetime.date.today().isoformat()}, CPU, jax {jax.__version__}. "
         "Command: `python benchmarks/profile_stability.py`",
@@ -64,19 +64,32 @@ def main() -> None:
             pairs += [(p.bwd_time, q.bwd_time) for p, q in zip(a.options, b.options)]
             small[a.name] = max(max(p) for p in pairs) < 0.01 * total, max(abs(p - q) for p, q in pairs)
             opts = [spread(p.bwd_time, q.bwd_time) for p, q in zip(a.options, b.options)]
-            rows.append((a.name, spread(a.fwd_time, b.fwd_time), spread(a.bwd_time, b.bwd_time),
-                         spread(a.fb_time, b.fb_time), max(opts, default=0.0)))
+            rows.append(
+                (
+                    a.name,
+                    spread(a.fwd_time, b.fwd_time),
+                    spread(a.bwd_time, b.bwd_time),
+                    spread(a.fb_time, b.fb_time),
+                    max(opts, default=0.0),
+                )
+            )
         arr = np.array([r[1:] for r in rows])
 
         def listed(r):
-            return f"{r[0]} ({', '.join(f'{n} {v:.0%}' for n, v in zip(('fwd', 'bwd', 'FB', 'opt'), r[1:]) if v > 0.15)})"
+            return (
+                f"{r[0]} ({', '.join(f'{n} {v:.0%}' for n, v in zip(('fwd', 'bwd', 'FB', 'opt'), r[1:]) if v > 0.15)})"
+            )
 
         beyond = [listed(r) for r in rows if max(r[1:]) > 0.15 and not small[r[0]][0]]
-        tiny = [f"{listed(r)[:-1]}; at most {1e6 * small[r[0]][1]:.0f} us)" for r in rows
-                if max(r[1:]) > 0.15 and small[r[0]][0]]
+        tiny = [
+            f"{listed(r)[:-1]}; at most {1e6 * small[r[0]][1]:.0f} us)"
+            for r in rows
+            if max(r[1:]) > 0.15 and small[r[0]][0]
+        ]
         lines.append(
             f"| {name} | {len(rows)} | {arr[:, 0].max():.0%} / {np.median(arr[:, 0]):.0%} | "
-            f"{arr[:, 1].max():.0%} / {np.median(arr[:, 1]):.0%} | {arr[:, 2].max():.0%} / {np.median(arr[:, 2]):.0%} | "
+            f"{arr[:, 1].max():.0%} / {np.median(arr[:, 1]):.0%} | {arr[:, 2].max():.0%} / "
+            f"{np.median(arr[:, 2]):.0%} | "
             f"{arr[:, 3].max():.0%} | {'; '.join(beyond) or 'none'} | {'; '.join(tiny) or 'none'} |"
         )
         print(lines[-1], flush=True)

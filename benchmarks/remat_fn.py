@@ -76,7 +76,8 @@ def unet_rows() -> list[str]:
         f"Plain step: XLA temp {jr.format_bytes(plain_temp)}. Bytes made from constants at the step's start "
         f"(`held`): {jr.format_bytes(int(costs.held.sum()))}. Times are the plans' predictions over store-all.",
         "",
-        "| budget | skips counted once: time | XLA temp | temp / plan | temp / plain | counted in every activation: time |",
+        "| budget | skips counted once: time | XLA temp | temp / plan | temp / plain | counted in every activation: "
+        "time |",
         "|---|---|---|---|---|---|",
     ]
     for budget in ("30%", "50%", "75%"):
@@ -130,7 +131,7 @@ def main() -> None:
         "",
         f"Measured {datetime.date.today().isoformat()}, CPU, jax {jax.__version__}, `cse_barrier_expander` disabled; "
         f"{BLOCKS} blocks, width {WIDTH}, {HEADS} heads, vocab {VOCAB}, {SHAPE[0]} x {SHAPE[1]} tokens; plans from "
-        "`method=\"xla\"`. Command: `python benchmarks/remat_fn.py`",
+        '`method="xla"`. Command: `python benchmarks/remat_fn.py`',
         "",
         f"`remat` cut: {how}. Plain step (no remat): compile {plain_s:.1f} s, XLA temp {jr.format_bytes(plain_temp)}.",
         "",

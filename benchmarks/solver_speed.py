@@ -46,15 +46,26 @@ def chain(L: int, seed: int, options: int = 0):
         v2 = dict(
             fb=fb,
             fb_tmp=(xbar * rng.uniform(0.5, 1.0, L)).astype(int),
-            fwd_flops=flops(fwd), bwd_flops=flops(bwd), fb_flops=flops(fb),
+            fwd_flops=flops(fwd),
+            bwd_flops=flops(bwd),
+            fb_flops=flops(fb),
             options=[
-                [jr.StageOption(f"policy{k}", int(xbar[i] * rng.uniform(0.2, 0.8)), t := float(bwd[i] * rng.uniform(1.0, 1.5)),
-                                int(bwd_tmp[i] + rng.integers(0, 10**6)), float(flops(t))) for k in range(options)]
+                [
+                    jr.StageOption(
+                        f"policy{k}",
+                        int(xbar[i] * rng.uniform(0.2, 0.8)),
+                        t := float(bwd[i] * rng.uniform(1.0, 1.5)),
+                        int(bwd_tmp[i] + rng.integers(0, 10**6)),
+                        float(flops(t)),
+                    )
+                    for k in range(options)
+                ]
                 for i in range(L)
             ],
         )
-    return jr.ChainCosts(x=rng.integers(10**5, 10**7, L + 1), xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=fwd_tmp,
-                         bwd_tmp=bwd_tmp, **v2)
+    return jr.ChainCosts(
+        x=rng.integers(10**5, 10**7, L + 1), xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp, **v2
+    )
 
 
 def child(L: int, slots: int, repeats: int, options: int = 0) -> dict:
@@ -140,9 +151,15 @@ def offload_rows(lengths: list[int], slot_counts: list[int], options: list[int],
                     sched = jr.solve(costs, "40%", algorithm="optimal_offload", slots=slots, bandwidth=BANDWIDTH)
                     ts.append(time.perf_counter() - t0)
                 remat = jr.solve(costs, "40%", slots=slots)
-                row = dict(L=L, options=k + 1, slots=slots, solve_s=round(sorted(ts)[len(ts) // 2], 3),
-                           offloads=len(sched.offloads), overhead=round(sched.overhead, 4),
-                           remat_overhead=round(remat.overhead, 4))
+                row = dict(
+                    L=L,
+                    options=k + 1,
+                    slots=slots,
+                    solve_s=round(sorted(ts)[len(ts) // 2], 3),
+                    offloads=len(sched.offloads),
+                    overhead=round(sched.overhead, 4),
+                    remat_overhead=round(remat.overhead, 4),
+                )
                 print(row, flush=True)
                 rows.append(row)
     return rows
@@ -157,15 +174,17 @@ def write_offload_section(rows: list[dict], repeats: int) -> None:
         f"Measured {datetime.date.today().isoformat()} on {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, jax {jax.__version__}; the same chains, budget 40% of store-all, bandwidth "
         f"{BANDWIDTH:.0e} bytes per time unit each way, median of {repeats}, in one process (the remat table's "
-        "compile excluded: it is shared with `\"optimal\"`).",
+        'compile excluded: it is shared with `"optimal"`).',
         "",
         "Command: `python benchmarks/solver_speed.py --offload`",
         "",
-        "| L | options per stage | slots | whole solve (s) | offloaded buffers | overhead with offload | overhead, remat alone |",
+        "| L | options per stage | slots | whole solve (s) | offloaded buffers | overhead with offload | overhead, "
+        "remat alone |",
         "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['L']} | {r['options']} | {r['slots']} | {r['solve_s']} | {r['offloads']} | {r['overhead']} | {r['remat_overhead']} |"
+        f"| {r['L']} | {r['options']} | {r['slots']} | {r['solve_s']} | {r['offloads']} | {r['overhead']} | "
+        f"{r['remat_overhead']} |"
         for r in rows
     ]
     lines += [
@@ -183,8 +202,13 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[50, 100, 200, 400])
     parser.add_argument("--slots", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--options", type=int, nargs="+", default=[0, 2],
-                        help="store options per stage beyond store-all (default: 0 and 2)")
+    parser.add_argument(
+        "--options",
+        type=int,
+        nargs="+",
+        default=[0, 2],
+        help="store options per stage beyond store-all (default: 0 and 2)",
+    )
     parser.add_argument("--offload", action="store_true", help='time "optimal_offload" instead (L 20..100, S 100..500)')
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -199,8 +223,18 @@ def main() -> None:
     rows = []
     for k in args.options:
         for L in args.lengths:
-            cmd = [sys.executable, __file__, "--child", str(L), "--slots", str(args.slots), "--repeats", str(args.repeats),
-                   "--options", str(k)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                str(L),
+                "--slots",
+                str(args.slots),
+                "--repeats",
+                str(args.repeats),
+                "--options",
+                str(k),
+            ]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ).stdout
             row = json.loads(out.strip().splitlines()[-1])
             print(row, flush=True)
@@ -213,7 +247,7 @@ def main() -> None:
     import jax
 
     lines = [
-        "# Solver speed: `\"optimal\"` (the persistent DP)",
+        '# Solver speed: `"optimal"` (the persistent DP)',
         "",
         f"Measured {datetime.date.today().isoformat()} on {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, jax {jax.__version__}, S = {args.slots} slots, budget 40% of store-all "
@@ -221,14 +255,18 @@ def main() -> None:
         "",
         "Command: `python benchmarks/solver_speed.py`",
         "",
-        "| L | options per stage | table fill (s) | whole solve (s) | whole solve at " + " / ".join(SHARES) + " (s) | compile (s) | "
-        "similar depth: L, solve (s), recompiled? | solver memory (MiB) | table (MiB) | peak RSS, whole process (MiB) | "
+        "| L | options per stage | table fill (s) | whole solve (s) | whole solve at "
+        + " / ".join(SHARES)
+        + " (s) | compile (s) | "
+        "similar depth: L, solve (s), recompiled? | solver memory (MiB) | table (MiB) | peak RSS, whole process "
+        "(MiB) | "
         "JAX and jaxremat loaded (MiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['L']} | {r['options']} | {r['fill_s']} | {r['solve_s']} | {' / '.join(str(v) for v in r['solve_s_by_budget'].values())} | "
+            f"| {r['L']} | {r['options']} | {r['fill_s']} | {r['solve_s']} | "
+            f"{' / '.join(str(v) for v in r['solve_s_by_budget'].values())} | "
             f"{r['compile_s']} | {r['similar_depth']}, {r['similar_depth_solve_s']}, "
             f"{'yes' if r['recompiled_for_similar_depth'] else 'no'} | "
             f"{round(r['peak_rss_mib'] - r['jax_runtime_rss_mib'], 1)} | {r['table_mib']} | {r['peak_rss_mib']} | "
@@ -245,7 +283,11 @@ def main() -> None:
         "takes 7-9 s and about 2 GB at L = 200.",
     ]
     path = RESULTS / "solver.md"
-    kept = OFFLOAD_MARK + path.read_text().split(OFFLOAD_MARK)[1] if path.exists() and OFFLOAD_MARK in path.read_text() else ""
+    kept = (
+        OFFLOAD_MARK + path.read_text().split(OFFLOAD_MARK)[1]
+        if path.exists() and OFFLOAD_MARK in path.read_text()
+        else ""
+    )
     path.write_text("\n".join(lines) + "\n" + ("\n" + kept if kept else ""))
     print(path.read_text())
 

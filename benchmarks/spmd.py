@@ -43,7 +43,7 @@ def rows_for(name: str, mesh: Mesh, tensor: bool) -> list[str]:
     net = nn.Sequential([Block(128) for _ in range(6)])
     x = jax.device_put(jax.random.normal(jax.random.key(1), (128, 64, 128)), NamedSharding(mesh, P("data")))
     v = place(net.init(jax.random.key(0), x), mesh, tensor)
-    loss = lambda apply: (lambda v, x: jnp.mean(apply(v, x) ** 2))  # noqa: E731
+    loss = lambda apply: lambda v, x: jnp.mean(apply(v, x) ** 2)  # noqa: E731
     plain = jax.jit(jax.value_and_grad(loss(net.apply))).lower(v, x).compile(jr.compiler_options())
     costs = jr.profile(Chain.from_linen(net), v, x, method="xla", cache=False, quiet=True)
     base_flops = predicted_flops(costs, jr.solve(costs, None, algorithm="store_all").ops)
@@ -74,10 +74,11 @@ def main() -> None:
         "",
         f"Measured {datetime.date.today().isoformat()}, jax {jax.__version__}, "
         "`--xla_force_host_platform_device_count=8`, `cse_barrier_expander` disabled; 6 transformer blocks "
-        "(width 128, 4 heads, MLP 512) on a batch of 128 x 64 tokens; profiles with `method=\"xla\"`. Every size is per "
+        '(width 128, 4 heads, MLP 512) on a batch of 128 x 64 tokens; profiles with `method="xla"`. Every size is per '
         "device. Command: `python benchmarks/spmd.py`",
         "",
-        "| mesh | budget | predicted peak | XLA temp | temp / predicted | compiled flops over plain | predicted flops over "
+        "| mesh | budget | predicted peak | XLA temp | temp / predicted | compiled flops over plain | predicted "
+        "flops over "
         "store-all | all-reduces | all-reduced bytes | recomputed forwards | bytes of other collectives |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]

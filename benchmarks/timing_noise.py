@@ -30,6 +30,7 @@ DIMS = ("NHWC", "HWIO", "NHWC")
 
 def programs() -> dict:
     """A 3x3 convolution with a relu (16 x 32 x 32 x 32) and its gradient in both operands."""
+
     def loss(x, k):
         return jnp.sum(jax.nn.relu(jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=DIMS)) ** 2)
 
@@ -39,7 +40,7 @@ def programs() -> dict:
 
 def spreads(times: np.ndarray, k: int, statistic) -> np.ndarray:
     """``|a - b| / max(a, b)`` between consecutive groups of ``k`` timings, each reduced by ``statistic``."""
-    groups = np.array([statistic(times[i:i + k]) for i in range(0, len(times) - k + 1, k)])
+    groups = np.array([statistic(times[i : i + k]) for i in range(0, len(times) - k + 1, k)])
     return np.abs(np.diff(groups)) / np.maximum(groups[1:], groups[:-1])
 
 

@@ -12,7 +12,9 @@ import optax
 import jaxremat as jr
 
 
-def train(loss_fn: Callable, variables: Any, batches: Iterator, steps: int, jit: Callable) -> tuple[list[float], float, int]:
+def train(
+    loss_fn: Callable, variables: Any, batches: Iterator, steps: int, jit: Callable
+) -> tuple[list[float], float, int]:
     """Adam for ``steps`` batches, the variables and optimizer state donated (so XLA reuses their
     buffers, as a training loop should). Returns (losses, seconds per step after the first, XLA
     temp bytes of the compiled step)."""
@@ -60,10 +62,16 @@ def run(name: str, model, budget, x0, batches, steps: int) -> None:
 def report(name: str, plan: jr.Plan, plain: tuple, remat: tuple) -> None:
     (l0, t0, m0), (l1, t1, m1) = plain, remat
     diff = max(abs(a - b) for a, b in zip(l0, l1))
-    print(f"\n{name}: {len(l0)} steps, loss {l0[0]:.4f} -> {l0[-1]:.4f} (plain) and {l1[0]:.4f} -> {l1[-1]:.4f} "
-          f"(under the plan); largest difference {diff:.2e}")
-    print(f"XLA temp memory of the training step: plain {jr.format_bytes(m0)}, under the plan "
-          f"{jr.format_bytes(m1)} ({1 - m1 / m0:.0%} saved; plan predicted activations "
-          f"{jr.format_bytes(plan.predicted_peak)} of store-all {jr.format_bytes(jr.store_all_peak(plan.costs))})")
-    print(f"step time: plain {t0 * 1e3:.1f} ms, under the plan {t1 * 1e3:.1f} ms ({t1 / t0:.2f}x; "
-          f"plan predicted {plan.predicted_overhead:.2f}x)")
+    print(
+        f"\n{name}: {len(l0)} steps, loss {l0[0]:.4f} -> {l0[-1]:.4f} (plain) and {l1[0]:.4f} -> {l1[-1]:.4f} "
+        f"(under the plan); largest difference {diff:.2e}"
+    )
+    print(
+        f"XLA temp memory of the training step: plain {jr.format_bytes(m0)}, under the plan "
+        f"{jr.format_bytes(m1)} ({1 - m1 / m0:.0%} saved; plan predicted activations "
+        f"{jr.format_bytes(plan.predicted_peak)} of store-all {jr.format_bytes(jr.store_all_peak(plan.costs))})"
+    )
+    print(
+        f"step time: plain {t0 * 1e3:.1f} ms, under the plan {t1 * 1e3:.1f} ms ({t1 / t0:.2f}x; "
+        f"plan predicted {plan.predicted_overhead:.2f}x)"
+    )

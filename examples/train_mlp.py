@@ -60,11 +60,15 @@ def main() -> None:
     plain = train(model.apply, variables, args.steps, jax.jit)
     remat = train(wrapped.apply, variables, args.steps, jr.jit)
     diff = max(abs(a - b) for a, b in zip(plain, remat))
-    print(f"\nloss after {args.steps} steps: plain {plain[-1]:.6f}, under the plan {remat[-1]:.6f}; "
-          f"largest difference over the run {diff:.2e}")
-    print(f"predicted activation peak {jr.format_bytes(plan.predicted_peak)} "
-          f"(store-all {jr.format_bytes(jr.store_all_peak(plan.costs))}), "
-          f"predicted time overhead {plan.predicted_overhead:.3f}x")
+    print(
+        f"\nloss after {args.steps} steps: plain {plain[-1]:.6f}, under the plan {remat[-1]:.6f}; "
+        f"largest difference over the run {diff:.2e}"
+    )
+    print(
+        f"predicted activation peak {jr.format_bytes(plan.predicted_peak)} "
+        f"(store-all {jr.format_bytes(jr.store_all_peak(plan.costs))}), "
+        f"predicted time overhead {plan.predicted_overhead:.3f}x"
+    )
 
 
 if __name__ == "__main__":

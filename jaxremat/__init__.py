@@ -11,7 +11,17 @@ stages) → ``profiling`` (what XLA keeps) → ``solvers`` → ``run`` (the exec
 (plans, ``remat_chain``, ``remat_nnx``) → ``tools`` (comparison, CLI, demo, example models).
 """
 
-from jaxremat.api import Plan, RematChain, RematFunction, RematSequential, load_plan, plan, remat, remat_chain, remat_nnx
+from jaxremat.api import (
+    Plan,
+    RematChain,
+    RematFunction,
+    RematSequential,
+    load_plan,
+    plan,
+    remat,
+    remat_chain,
+    remat_nnx,
+)
 from jaxremat.core.budgets import Budget, parse_budget, store_all_peak
 from jaxremat.core.compile import compiler_options, jit
 from jaxremat.core.costs import ChainCosts, Shared, StageOption

@@ -39,10 +39,7 @@ def chains(draw, min_len: int = 1, max_len: int = 9, v2: bool = False) -> jr.Cha
     size = st.integers(0, 20).map(lambda v: v * scale)
     x = draw(st.lists(size, min_size=L + 1, max_size=L + 1))
     big = draw(st.booleans())
-    xbar = [
-        x[i + 1] * (draw(st.integers(1, 20)) if big else 1) + draw(size)
-        for i in range(L)
-    ]
+    xbar = [x[i + 1] * (draw(st.integers(1, 20)) if big else 1) + draw(size) for i in range(L)]
     zero_tmp = draw(st.booleans())
     tmp = st.just(0) if zero_tmp else size
     ftmp = [draw(tmp) for _ in range(L)]
@@ -62,12 +59,26 @@ def chains(draw, min_len: int = 1, max_len: int = 9, v2: bool = False) -> jr.Cha
     for i in range(L):
         n = draw(st.integers(0, 2))
         kept = [int(draw(share) * xbar[i]) for _ in range(n)]
-        options.append([
-            jr.StageOption(f"policy{k}", kept[k], round(bwd[i] + draw(t), 3), draw(tmp), unread=part(min(kept[k], x[i + 1])))
-            for k in range(n)
-        ])
-    return jr.ChainCosts(x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=ftmp, bwd_tmp=btmp, fb=fb, fb_tmp=fb_tmp, options=options,
-                         unread=[part(min(xbar[i], x[i + 1])) for i in range(L)])
+        options.append(
+            [
+                jr.StageOption(
+                    f"policy{k}", kept[k], round(bwd[i] + draw(t), 3), draw(tmp), unread=part(min(kept[k], x[i + 1]))
+                )
+                for k in range(n)
+            ]
+        )
+    return jr.ChainCosts(
+        x=x,
+        xbar=xbar,
+        fwd=fwd,
+        bwd=bwd,
+        fwd_tmp=ftmp,
+        bwd_tmp=btmp,
+        fb=fb,
+        fb_tmp=fb_tmp,
+        options=options,
+        unread=[part(min(xbar[i], x[i + 1])) for i in range(L)],
+    )
 
 
 def random_chain(rng: np.random.Generator, L: int) -> jr.ChainCosts:
@@ -139,10 +150,22 @@ class Noisy(nn.Module):
 # limits). xdist's own order (``--loadscope-reorder``: most tests first) put the one-test
 # tensor-parallel file last. A file not listed counts 30 s.
 FILE_SECONDS = {
-    "test_fidelity.py": 375, "test_remat_fn.py": 210, "test_spmd.py": 140, "test_outside.py": 135,
-    "test_cli.py": 135, "test_offload_execute.py": 130, "test_repeat.py": 125, "test_execute.py": 120,
-    "test_spmd_tensor.py": 90, "test_profile.py": 85, "test_gpu_check.py": 70, "test_compare.py": 65,
-    "test_options.py": 55, "test_calibrate.py": 35, "test_offload.py": 35, "test_exhaustive.py": 35,
+    "test_fidelity.py": 375,
+    "test_remat_fn.py": 210,
+    "test_spmd.py": 140,
+    "test_outside.py": 135,
+    "test_cli.py": 135,
+    "test_offload_execute.py": 130,
+    "test_repeat.py": 125,
+    "test_execute.py": 120,
+    "test_spmd_tensor.py": 90,
+    "test_profile.py": 85,
+    "test_gpu_check.py": 70,
+    "test_compare.py": 65,
+    "test_options.py": 55,
+    "test_calibrate.py": 35,
+    "test_offload.py": 35,
+    "test_exhaustive.py": 35,
 }
 
 

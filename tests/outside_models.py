@@ -38,7 +38,9 @@ def update_step(loss: Callable, args: tuple, has_aux: bool = False) -> tuple[int
     returned (as users log it)."""
     opt = optax.adam(1e-3)
     leaves, tree = jax.tree.flatten(args[0])
-    floats = [n for n, leaf in enumerate(leaves) if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    floats = [
+        n for n, leaf in enumerate(leaves) if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+    ]
     other = {n: leaf for n, leaf in enumerate(leaves) if n not in floats}  # flags, static fields: as eqx.filter_grad
 
     def first(p):
@@ -151,15 +153,15 @@ def linen_cnn(shape: tuple[int, ...] = (8, 32, 32, 3), user_remat: bool = True) 
         m = LinenCNN(hand=hand, user_remat=user_remat)
 
         def loss(params, stats, x, key):
-            logits, upd = m.apply({"params": params, "batch_stats": stats}, x, rngs={"dropout": key},
-                                  mutable=["batch_stats"])
+            logits, upd = m.apply(
+                {"params": params, "batch_stats": stats}, x, rngs={"dropout": key}, mutable=["batch_stats"]
+            )
             return -jnp.mean(jnp.sum(y * jax.nn.log_softmax(logits), -1)), upd["batch_stats"]
 
         return loss
 
     name = "linen CNN (nn.remat, dropout, BatchNorm)" if user_remat else "linen CNN (dropout, BatchNorm)"
-    return Case(name, make, (v["params"], v["batch_stats"], x, jax.random.key(7)),
-                has_aux=True)
+    return Case(name, make, (v["params"], v["batch_stats"], x, jax.random.key(7)), has_aux=True)
 
 
 # -- linen: a U-Net whose skips are concatenated ---------------------------------------------------
@@ -269,8 +271,9 @@ def equinox_transformer(blocks: int = 8, width: int = 64, heads: int = 4, seq: i
 
         return loss
 
-    return Case("equinox list transformer (dropout, attention)", make, (model, tok, jax.random.key(3)),
-                extra={"eqx": True})
+    return Case(
+        "equinox list transformer (dropout, attention)", make, (model, tok, jax.random.key(3)), extra={"eqx": True}
+    )
 
 
 # -- NNX: blocks in an nnx.List ------------------------------------------------------------------
@@ -310,6 +313,10 @@ def nnx_list(blocks: int = 6, width: int = 64, batch: int = 128) -> Case:
 
 
 CASES: dict[str, Callable[[], Case]] = {
-    "loop_mlp": loop_mlp, "linen_cnn": linen_cnn, "linen_cnn_plain": lambda: linen_cnn(user_remat=False),
-    "concat_unet": concat_unet, "equinox": equinox_transformer, "nnx_list": nnx_list,
+    "loop_mlp": loop_mlp,
+    "linen_cnn": linen_cnn,
+    "linen_cnn_plain": lambda: linen_cnn(user_remat=False),
+    "concat_unet": concat_unet,
+    "equinox": equinox_transformer,
+    "nnx_list": nnx_list,
 }

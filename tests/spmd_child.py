@@ -124,19 +124,29 @@ def repeated(mesh: Mesh, tensor: bool, x) -> dict:
     """The blocks as one ``jr.Repeat`` (a loop over stacked, sharded variables) at 50%."""
     net = nn.Sequential([nn.Dense(64), jr.Repeat(Block(64), BLOCKS)])
     v = place(net.init(jax.random.key(0), x), mesh, tensor)
-    loss = lambda apply: (lambda v, x: jnp.mean(apply(v, x) ** 2))  # noqa: E731
+    loss = lambda apply: lambda v, x: jnp.mean(apply(v, x) ** 2)  # noqa: E731
     plain = jax.jit(jax.value_and_grad(loss(net.apply))).lower(v, x).compile(jr.compiler_options())
     # store options on the tensor-parallel mesh only (see NO_OPTIONS)
     policies = None if tensor else NO_OPTIONS
     model = jr.remat_chain("50%", method="xla", policies=policies)(net)
-    plan = jr.plan(model, v, x, costs=jr.profile(Chain.from_linen(net), v, x, method="xla", cache=False, quiet=True,
-                                                  policies=policies))
+    plan = jr.plan(
+        model,
+        v,
+        x,
+        costs=jr.profile(Chain.from_linen(net), v, x, method="xla", cache=False, quiet=True, policies=policies),
+    )
     compiled = jr.jit(jax.value_and_grad(loss(model.apply))).lower(v, x).compile()
-    return dict(err=error(compiled(v, x), plain(v, x)), predicted=plan.schedule.peak, devices=plan.costs.devices,
-                temp=int(compiled.memory_analysis().temp_size_in_bytes), loops=" while(" in compiled.as_text(),
-                recomputes=recomputed_forwards(plan.schedule.ops) > 0,
-                no_resharding=all(collectives(compiled)[k]["bytes"] == collectives(plain)[k]["bytes"]
-                                  for k in KINDS if k != "all-reduce"))
+    return dict(
+        err=error(compiled(v, x), plain(v, x)),
+        predicted=plan.schedule.peak,
+        devices=plan.costs.devices,
+        temp=int(compiled.memory_analysis().temp_size_in_bytes),
+        loops=" while(" in compiled.as_text(),
+        recomputes=recomputed_forwards(plan.schedule.ops) > 0,
+        no_resharding=all(
+            collectives(compiled)[k]["bytes"] == collectives(plain)[k]["bytes"] for k in KINDS if k != "all-reduce"
+        ),
+    )
 
 
 def nnx_on(mesh: Mesh) -> dict:
@@ -154,8 +164,11 @@ def nnx_on(mesh: Mesh) -> dict:
     model = jr.remat_nnx("50%", method="xla", policies=NO_OPTIONS)(seq)
     plan = model.plan(x)
     got = nnx.jit(nnx.value_and_grad(loss))(model, x)
-    return dict(err=error(got, ref), per_device=plan.costs.devices == 8 and "per device" in plan.report(),
-                recomputes=any(d.recomputed for d in plan.schedule.decisions()))
+    return dict(
+        err=error(got, ref),
+        per_device=plan.costs.devices == 8 and "per device" in plan.report(),
+        recomputes=any(d.recomputed for d in plan.schedule.decisions()),
+    )
 
 
 def explicit(devices) -> dict:
@@ -166,14 +179,18 @@ def explicit(devices) -> dict:
     with jax.set_mesh(mesh):
         x = jax.device_put(jax.random.normal(jax.random.key(1), (64, 32, 64)), NamedSharding(mesh, P("data")))
         v = jax.device_put(net.init(jax.random.key(0), x), NamedSharding(mesh, P()))
-        loss = lambda apply: (lambda v, x: jnp.mean(apply(v, x) ** 2))  # noqa: E731
+        loss = lambda apply: lambda v, x: jnp.mean(apply(v, x) ** 2)  # noqa: E731
         ref = jax.jit(jax.value_and_grad(loss(net.apply)))(v, x)
         model = jr.remat_chain("50%", method="xla", policies=NO_OPTIONS)(net)
         compiled = jr.jit(jax.value_and_grad(loss(model.apply))).lower(v, x).compile()
         got = compiled(v, x)
     (plan,) = model.planner.plans.values()
-    return dict(err=error(got, ref), devices=plan.costs.devices, predicted=plan.schedule.peak,
-                temp=int(compiled.memory_analysis().temp_size_in_bytes))
+    return dict(
+        err=error(got, ref),
+        devices=plan.costs.devices,
+        predicted=plan.schedule.peak,
+        temp=int(compiled.memory_analysis().temp_size_in_bytes),
+    )
 
 
 def auto_mesh(devices) -> dict:
@@ -198,10 +215,17 @@ def auto_mesh(devices) -> dict:
         except ValueError as e:
             refusal = str(e)
     v_ = plan.verification
-    return dict(err=error(got, ref), devices=plan.costs.devices, predicted=plan.schedule.peak,
-                temp=int(compiled.memory_analysis().temp_size_in_bytes), plans=len(fn._prepared),
-                measured=None if v_ is None else v_.measured_peak, budget=None if v_ is None else v_.budget,
-                report=plan.report(), refusal=refusal)
+    return dict(
+        err=error(got, ref),
+        devices=plan.costs.devices,
+        predicted=plan.schedule.peak,
+        temp=int(compiled.memory_analysis().temp_size_in_bytes),
+        plans=len(fn._prepared),
+        measured=None if v_ is None else v_.measured_peak,
+        budget=None if v_ is None else v_.budget,
+        report=plan.report(),
+        refusal=refusal,
+    )
 
 
 def run(name: str, mesh: Mesh, tensor: bool) -> dict:
@@ -210,10 +234,12 @@ def run(name: str, mesh: Mesh, tensor: bool) -> dict:
     net = nn.Sequential([Block(64, hidden) for _ in range(BLOCKS)])
     x = jax.device_put(jax.random.normal(jax.random.key(1), (64, 32, 64)), NamedSharding(mesh, P("data")))
     v = place(net.init(jax.random.key(0), x), mesh, tensor)
-    loss = lambda apply: (lambda v, x: jnp.mean(apply(v, x) ** 2))  # noqa: E731
+    loss = lambda apply: lambda v, x: jnp.mean(apply(v, x) ** 2)  # noqa: E731
     plain = jax.jit(jax.value_and_grad(loss(net.apply))).lower(v, x).compile(jr.compiler_options())
     ref = plain(v, x)
-    block = jax.jit(Block(64, hidden).apply).lower({"params": v["params"]["layers_0"]}, x).compile(jr.compiler_options())
+    block = (
+        jax.jit(Block(64, hidden).apply).lower({"params": v["params"]["layers_0"]}, x).compile(jr.compiler_options())
+    )
     forward_all_reduce = collectives(block)["all-reduce"]["bytes"]
     costs = jr.profile(Chain.from_linen(net), v, x, method="xla", cache=False, quiet=True, policies=NO_OPTIONS)
     shardings = jax.tree.map(lambda a: a.sharding, (v, x))
@@ -221,15 +247,30 @@ def run(name: str, mesh: Mesh, tensor: bool) -> dict:
     for budget in ("50%",):  # one budget: what is checked (per-device sizes, collectives) is per plan
         model = jr.remat_chain(budget, method="xla", policies=NO_OPTIONS)(net)
         plan = jr.plan(model, v, x, costs=costs)
-        step = jr.jit(jax.value_and_grad(loss(model.apply)), in_shardings=shardings,
-                      out_shardings=(NamedSharding(mesh, P()), shardings[0]))
+        step = jr.jit(
+            jax.value_and_grad(loss(model.apply)),
+            in_shardings=shardings,
+            out_shardings=(NamedSharding(mesh, P()), shardings[0]),
+        )
         compiled = step.lower(v, x).compile()
         got = compiled(v, x)
-        rows.append(dict(budget=budget, predicted=plan.schedule.peak, temp=int(compiled.memory_analysis().temp_size_in_bytes),
-                         err=error(got, ref), collectives=collectives(compiled), plain_collectives=collectives(plain),
-                         same_collectives=same_collectives(collectives(compiled), collectives(plain),
-                                                           recomputed_forwards(plan.schedule.ops), forward_all_reduce),
-                         recomputes=recomputed_forwards(plan.schedule.ops) > 0))
+        rows.append(
+            dict(
+                budget=budget,
+                predicted=plan.schedule.peak,
+                temp=int(compiled.memory_analysis().temp_size_in_bytes),
+                err=error(got, ref),
+                collectives=collectives(compiled),
+                plain_collectives=collectives(plain),
+                same_collectives=same_collectives(
+                    collectives(compiled),
+                    collectives(plain),
+                    recomputed_forwards(plan.schedule.ops),
+                    forward_all_reduce,
+                ),
+                recomputes=recomputed_forwards(plan.schedule.ops) > 0,
+            )
+        )
     # verified per device in auto_mesh; here the plan's layout only
     fn = jr.remat(loss(net.apply), "50%", method="xla", policies=NO_OPTIONS, verify=False)
     planned = fn.plan(v, x)  # from the sharded arrays, outside jit: per device
@@ -244,13 +285,24 @@ def run(name: str, mesh: Mesh, tensor: bool) -> dict:
 
 def between(net, v, x, costs) -> dict:
     """A budget above the per-device store-all peak and below the global one."""
-    one = jr.profile(Chain.from_linen(net), jax.device_get(v), np.asarray(x), method="xla", cache=False, quiet=True,
-                     policies=NO_OPTIONS)  # the store-all peak is option 0's
+    one = jr.profile(
+        Chain.from_linen(net),
+        jax.device_get(v),
+        np.asarray(x),
+        method="xla",
+        cache=False,
+        quiet=True,
+        policies=NO_OPTIONS,
+    )  # the store-all peak is option 0's
     budget = (jr.store_all_peak(costs) + jr.store_all_peak(one)) // 2
     loose = jr.plan(jr.remat_chain(budget, method="xla", policies=NO_OPTIONS)(net), v, x, costs=costs)
-    return dict(store_all=jr.store_all_peak(costs), global_store_all=jr.store_all_peak(one), between=budget,
-                between_recomputes=any(d.recomputed for d in loose.schedule.decisions()),
-                report="per device" in loose.report())
+    return dict(
+        store_all=jr.store_all_peak(costs),
+        global_store_all=jr.store_all_peak(one),
+        between=budget,
+        between_recomputes=any(d.recomputed for d in loose.schedule.decisions()),
+        report="per device" in loose.report(),
+    )
 
 
 def main(part: str) -> None:
@@ -259,8 +311,11 @@ def main(part: str) -> None:
     devices = np.array(jax.devices())
     assert len(devices) == 8, devices
     if part == "data":
-        out = [run("data parallel", Mesh(devices, ("data",)), False), dict(name="explicit", **explicit(devices)),
-               dict(name="auto", **auto_mesh(devices))]
+        out = [
+            run("data parallel", Mesh(devices, ("data",)), False),
+            dict(name="explicit", **explicit(devices)),
+            dict(name="auto", **auto_mesh(devices)),
+        ]
     elif part == "tensor":
         out = [run("tensor parallel", Mesh(devices.reshape(2, 4), ("data", "model")), True)]
     else:

@@ -59,7 +59,12 @@ def test_one_name_for_the_profiling_method():
     x = jnp.ones((8, 16))
     model = jr.remat_chain("80%", method="xla")(mlp())
     assert model.planner.options.method == "xla"
-    assert jr.remat_nnx("80%", method="xla", max_period=1)(nnx.Sequential(nnx.Linear(16, 4, rngs=nnx.Rngs(0)))).planner.options.method == "xla"
+    assert (
+        jr.remat_nnx("80%", method="xla", max_period=1)(
+            nnx.Sequential(nnx.Linear(16, 4, rngs=nnx.Rngs(0)))
+        ).planner.options.method
+        == "xla"
+    )
     with pytest.warns(DeprecationWarning, match="profile= is now method="):
         old = jr.remat_chain("80%", profile="xla")(mlp())
     assert old.planner.options.method == "xla"

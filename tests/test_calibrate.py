@@ -14,8 +14,9 @@ from jaxremat.profiling import Rates
 def costs_of_demo_chain() -> jr.ChainCosts:
     L = 12
     x = [1000] + [4000 if i % 3 else 1000 for i in range(L)]
-    return jr.ChainCosts(x=x, xbar=[3 * v for v in x[1:]], fwd=[1.0] * L, bwd=[2.0] * L,
-                         fwd_tmp=[0] * L, bwd_tmp=[500] * L)
+    return jr.ChainCosts(
+        x=x, xbar=[3 * v for v in x[1:]], fwd=[1.0] * L, bwd=[2.0] * L, fwd_tmp=[0] * L, bwd_tmp=[500] * L
+    )
 
 
 @pytest.mark.parametrize("factor", [0.7, 0.9, 1.0, 1.15, 1.3])

@@ -32,8 +32,18 @@ def test_plan_prints_schedule_saves_plan_and_plots(tmp_path, capsys):
 
 
 def test_bench_writes_csv_markdown_and_plot(tmp_path, capsys):
-    args = ["bench", "--model", "tests.cli_models:resnet", "--input-shape", "2,8,8,3", "--method", "xla", "--quiet",
-            "--rounds", "1"]
+    args = [
+        "bench",
+        "--model",
+        "tests.cli_models:resnet",
+        "--input-shape",
+        "2,8,8,3",
+        "--method",
+        "xla",
+        "--quiet",
+        "--rounds",
+        "1",
+    ]
     assert main([*args, "--points", "2", "--manual", "policy dots_saveable", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| policy dots_saveable |" in out and "jaxremat optimal" in out and "remat every block" not in out
@@ -48,11 +58,16 @@ def test_bench_writes_csv_markdown_and_plot(tmp_path, capsys):
         (["plan", "--model", "nosuchmodel", "--budget", "40%"], "cannot find model 'nosuchmodel'"),
         (["plan", "--model", "nosuch.module:f", "--budget", "40%"], "cannot import 'nosuch.module'"),
         (["plan", "--model", "jaxremat.tools.models:nothing", "--budget", "40%"], "has no attribute 'nothing'"),
-        (["plan", "--model", "jaxremat.tools.models:sample_input", "--budget", "1", "--input-shape", "2"], "must be a model"),
+        (
+            ["plan", "--model", "jaxremat.tools.models:sample_input", "--budget", "1", "--input-shape", "2"],
+            "must be a model",
+        ),
         (["plan", "--model", "jaxremat.tools.models:resnet", "--budget", "40%"], "--input-shape is needed"),
         (["plan", "--model", "resnet", "--input-shape", "2,a,3", "--budget", "40%"], "cannot read an input shape"),
-        (["plan", "--model", "gpt", "--input-shape", "2,16", "--dtype", "float32", "--budget", "40%"],
-         "cannot take an input of shape"),
+        (
+            ["plan", "--model", "gpt", "--input-shape", "2,16", "--dtype", "float32", "--budget", "40%"],
+            "cannot take an input of shape",
+        ),
         (["plan", *SMALL, "--budget", "lots"], "cannot read a byte size from 'lots'"),
         (["plan", *SMALL, "--budget", "1KiB"], "needs on this chain: at least"),
         (["demo", "--dtype", "floaty"], "unknown --dtype 'floaty'"),

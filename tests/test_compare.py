@@ -21,8 +21,14 @@ def test_every_manual_strategy_gives_the_plain_loss_and_gradients():
     per = chain.split(v)
     params = [u["params"] for u in per]
     strategies = compare.manual_strategies(chain)
-    assert {"no remat", "remat every block", "checkpoint whole chain",
-            "policy dots_saveable", "policy dots_with_no_batch_dims_saveable", "policy nothing_saveable"} <= set(strategies)
+    assert {
+        "no remat",
+        "remat every block",
+        "checkpoint whole chain",
+        "policy dots_saveable",
+        "policy dots_with_no_batch_dims_saveable",
+        "policy nothing_saveable",
+    } <= set(strategies)
     assert "checkpoint every 2 blocks (sqrt L)" in strategies and "checkpoint every 3 blocks" in strategies
     ref_loss, ref_grads = jax.jit(training_step(strategies["no remat"], per))(params, x)
     for name, fwd in strategies.items():
@@ -36,8 +42,9 @@ def test_comparison_measures_manual_and_jaxremat_points_against_no_remat():
     _, chain, v, x = small_mixer()
     costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True)
     manual = ("remat every block", "policy nothing_saveable", "policy dots_saveable")
-    cmp = compare.compare("mixer", chain, v, x, costs, budgets=["40%", None], algorithms=("optimal",), rounds=1,
-                          manual=manual)
+    cmp = compare.compare(
+        "mixer", chain, v, x, costs, budgets=["40%", None], algorithms=("optimal",), rounds=1, manual=manual
+    )
     by = {p.strategy: p for p in cmp.points if p.kind == "manual"}
     assert set(by) == {"no remat", *manual}
     assert by["remat every block"].temp < by["no remat"].temp  # remat is real: compiled with the options

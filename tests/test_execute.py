@@ -153,7 +153,9 @@ def test_cpu_warning_only_without_the_compile_option(monkeypatch):
     warned = _remat_warnings(lambda: jax.jit(jax.grad(loss))(v))
     assert warned and all(w in str(warned[0].message) for w in ("jaxremat.jit", "compiler_options", "XLA_FLAGS"))
     assert _remat_warnings(lambda: jax.jit(jax.grad(loss), compiler_options={"xla_cpu_enable_fast_math": False})(v))
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1 --xla_disable_hlo_passes=cse_barrier_expander")
+    monkeypatch.setenv(
+        "XLA_FLAGS", "--xla_force_host_platform_device_count=1 --xla_disable_hlo_passes=cse_barrier_expander"
+    )
     assert not _remat_warnings(lambda: jax.jit(jax.grad(loss))(v))
 
 
@@ -163,7 +165,7 @@ def _kernel_copies(compiled, n_params: int) -> int:
     import re
 
     text = compiled.as_text()
-    entry = text[text.index("ENTRY"):]
+    entry = text[text.index("ENTRY") :]
     found = re.findall(r"%(\S+) = \w+\[(\d+(?:,\d+)+)\]\S* parameter\((\d+)\)", entry)
     params = {n for n, _, k in found if int(k) < n_params}
     return sum(m.group(1) in params for m in re.finditer(r"= \S+ copy\(%([^\s,)]+)\)", entry))
@@ -202,7 +204,9 @@ def test_stored_convolutions_make_no_copies_of_donated_kernels():
     names = [name for name in by_stage[1] if all(name in b for b in by_stage)]
     assert len(names) > 1, "the stages have a store option in common"
     for name in names:
-        ops = [("Fall", i, by_stage[i][name]) for i in range(L)] + [("Loss", L)] + [("B", i) for i in reversed(range(L))]
+        ops = (
+            [("Fall", i, by_stage[i][name]) for i in range(L)] + [("Loss", L)] + [("B", i) for i in reversed(range(L))]
+        )
         step = compile_schedule_step(chain, v, x, Schedule.from_ops(costs, ops, budget=None, algorithm="candidate"))
         if name == "store_all":
             assert _kernel_copies(step, n) == 0
@@ -263,7 +267,9 @@ def test_blocks_under_a_policy_match_plain_autodiff(noisy):
     assert sorted(upd) == sorted(ref_upd)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), upd, ref_upd)
     with pytest.raises(ValueError, match="a block is a run of stages that the schedule stores"):
-        Schedule.from_ops(costs, baselines.every_stage(L), budget=None, algorithm="x", blocks=(Block(1, 3, "dots_saveable"),))
+        Schedule.from_ops(
+            costs, baselines.every_stage(L), budget=None, algorithm="x", blocks=(Block(1, 3, "dots_saveable"),)
+        )
 
 
 def test_a_region_handing_its_cotangent_over_reads_its_kernels_before_their_update():

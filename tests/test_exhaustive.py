@@ -77,7 +77,6 @@ def test_exhaustive_never_slower_and_optimal_never_below(capsys):
     assert total >= 100
 
 
-
 def _shared_chain(rng: np.random.Generator) -> jr.ChainCosts:
     """A tiny random chain with one or two values shared by runs of activations (skips)."""
     L = int(rng.integers(3, 6))
@@ -92,15 +91,21 @@ def _shared_chain(rng: np.random.Generator) -> jr.ChainCosts:
     for v in shared:  # the making stage's bundle holds the value
         xbar[v.first - 1] += v.nbytes
     return jr.ChainCosts(
-        x=x, xbar=xbar, fwd=rng.integers(1, 5, L).astype(float), bwd=rng.integers(1, 8, L).astype(float),
-        fwd_tmp=rng.integers(0, 3, L) * 8, bwd_tmp=rng.integers(0, 3, L) * 8, shared=shared,
+        x=x,
+        xbar=xbar,
+        fwd=rng.integers(1, 5, L).astype(float),
+        bwd=rng.integers(1, 8, L).astype(float),
+        fwd_tmp=rng.integers(0, 3, L) * 8,
+        bwd_tmp=rng.integers(0, 3, L) * 8,
+        shared=shared,
         held=rng.integers(0, 4, L) * 8 * rng.integers(0, 2, L),
     )
 
 
 def test_dp_is_optimal_among_persistent_schedules_with_shared_values():
     """With values shared by several activations counted once (and bytes held until a stage's
-    backward), the DP (in exact bytes: one byte per slot) finds the fastest persistent schedule, as the search over every persistent op
+    backward), the DP (in exact bytes: one byte per slot) finds the fastest persistent schedule, as the search over
+    every persistent op
     sequence does, and is never slower than planning as if nothing were shared."""
     rng = np.random.default_rng(5)
     checked = faster = 0
@@ -132,9 +137,12 @@ def test_persistent_search_matches_the_dp_without_shared_values():
     for trial in range(30):
         L = int(rng.integers(1, 5))
         costs = jr.ChainCosts(
-            x=rng.integers(0, 12, L + 1) * 8, xbar=rng.integers(1, 30, L) * 8,
-            fwd=rng.integers(1, 5, L).astype(float), bwd=rng.integers(1, 8, L).astype(float),
-            fwd_tmp=rng.integers(0, 3, L) * 8, bwd_tmp=rng.integers(0, 3, L) * 8,
+            x=rng.integers(0, 12, L + 1) * 8,
+            xbar=rng.integers(1, 30, L) * 8,
+            fwd=rng.integers(1, 5, L).astype(float),
+            bwd=rng.integers(1, 8, L).astype(float),
+            fwd_tmp=rng.integers(0, 3, L) * 8,
+            bwd_tmp=rng.integers(0, 3, L) * 8,
             held=rng.integers(0, 6, L) * 8 * (trial % 2),
         )
         if trial % 3 == 0:  # output bytes the backwards do not read

@@ -156,7 +156,8 @@ def test_a_backward_writes_over_its_incoming_cotangent(monkeypatch):
     stored convolution's tie (blocks stored whole before a recomputed one).
     Through the barriers the first used one activation (1 MiB) more than planned. (The tie's
     handover showed with blocks stored under ``dots_saveable``, 0.23 MiB; stages under a policy
-    are no longer tied, and stored whole here they show no difference.) Between two regions (every block a region of its own) the input's
+    are no longer tied, and stored whole here they show no difference.) Between two regions (every block a region of
+    its own) the input's
     cotangent leaves the later one as it was made, ordered by a token instead of the barrier
     (``ChainCosts.fb_reuse``), and so does a region inside a region that starts it (revolve's
     schedule); through the barrier, again one activation more."""
@@ -183,10 +184,38 @@ def test_a_backward_writes_over_its_incoming_cotangent(monkeypatch):
     mixed = Schedule.from_ops(costs, stored + [Op("Fall", L - 1), Op("Loss", L)] + back, budget=None, algorithm="x")
     every = jr.solve(costs, None, algorithm="every_stage")
     # revolve's: regions inside regions, the first inner one handing the cotangent over too
-    nested = Schedule.from_ops(costs, [Op(*op) for op in (
-        ("Fck", 0), ("Fn", 1), ("Fn", 2), ("Fck", 3), ("Fn", 4), ("Fn", 5), ("Fck", 6), ("Fn", 7), ("Loss", 8),
-        ("Fck", 6), ("FB", 7), ("FB", 6), ("Fck", 3), ("Fck", 4), ("FB", 5), ("FB", 4), ("FB", 3),
-        ("Fck", 0), ("Fck", 1), ("FB", 2), ("FB", 1), ("FB", 0))], budget=None, algorithm="x")
+    nested = Schedule.from_ops(
+        costs,
+        [
+            Op(*op)
+            for op in (
+                ("Fck", 0),
+                ("Fn", 1),
+                ("Fn", 2),
+                ("Fck", 3),
+                ("Fn", 4),
+                ("Fn", 5),
+                ("Fck", 6),
+                ("Fn", 7),
+                ("Loss", 8),
+                ("Fck", 6),
+                ("FB", 7),
+                ("FB", 6),
+                ("Fck", 3),
+                ("Fck", 4),
+                ("FB", 5),
+                ("FB", 4),
+                ("FB", 3),
+                ("Fck", 0),
+                ("Fck", 1),
+                ("FB", 2),
+                ("FB", 1),
+                ("FB", 0),
+            )
+        ],
+        budget=None,
+        algorithm="x",
+    )
     assert costs.fb_reuse[1] > 0 and costs.fb_reuse[2] > 0  # relu(x + h)'s derivative written over the cotangent
     runs = (("least", least), ("mixed", mixed), ("every", every), ("nested", nested))
     temp = {name: step_temp(chain, v, x, s) for name, s in runs}
@@ -256,8 +285,9 @@ def test_the_last_stage_is_measured_with_the_loss(monkeypatch):
     def ratios(cache: bool) -> dict:
         out = {}
         for loss in (None, measured_loss):  # the cache shares the stages before the last
-            costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=cache, quiet=True,
-                               policies={}, loss=loss)
+            costs = jr.profile(
+                chain, v, x, method="xla", rates=Rates(1e10, 1e10), cache=cache, quiet=True, policies={}, loss=loss
+            )
             sched = jr.solve(costs, None, algorithm="store_all")
             out[loss is not None] = step_temp(chain, v, x, sched) / (sched.peak - int(costs.x[0]))
         return out
@@ -308,13 +338,50 @@ def test_a_tap_keeps_no_cotangent_alive():
     x = jax.random.normal(jax.random.key(1), (128, 64))
     v = chain.init(jax.random.key(0), x)
     costs = jr.profile(chain, v, x, method="xla", rates=Rates(1e10, 1e10), quiet=True)
-    fwd = [("Fck", 0)] + [("Fn", i) for i in range(1, 11)] + [("Fck", 11), ("Fn", 12), ("Fn", 13), ("Fn", 14),
-                                                            ("Fck", 15), ("Loss", 16)]
-    back = [("FB", 15), ("Fck", 11), ("Fn", 12), ("Fn", 13), ("FB", 14), ("Fck", 11), ("Fn", 12), ("FB", 13),
-            ("Fall", 11), ("FB", 12), ("B", 11), ("Fck", 0)] + [("Fn", i) for i in range(1, 7)] + [
-            ("Fck", 7), ("Fn", 8), ("Fn", 9), ("FB", 10), ("Fck", 7), ("Fn", 8), ("FB", 9), ("Fall", 7), ("FB", 8),
-            ("B", 7), ("Fck", 0), ("Fn", 1), ("Fn", 2), ("Fn", 3), ("Fck", 4), ("Fn", 5), ("FB", 6), ("Fall", 4),
-            ("FB", 5), ("B", 4)]
+    fwd = (
+        [("Fck", 0)]
+        + [("Fn", i) for i in range(1, 11)]
+        + [("Fck", 11), ("Fn", 12), ("Fn", 13), ("Fn", 14), ("Fck", 15), ("Loss", 16)]
+    )
+    back = (
+        [
+            ("FB", 15),
+            ("Fck", 11),
+            ("Fn", 12),
+            ("Fn", 13),
+            ("FB", 14),
+            ("Fck", 11),
+            ("Fn", 12),
+            ("FB", 13),
+            ("Fall", 11),
+            ("FB", 12),
+            ("B", 11),
+            ("Fck", 0),
+        ]
+        + [("Fn", i) for i in range(1, 7)]
+        + [
+            ("Fck", 7),
+            ("Fn", 8),
+            ("Fn", 9),
+            ("FB", 10),
+            ("Fck", 7),
+            ("Fn", 8),
+            ("FB", 9),
+            ("Fall", 7),
+            ("FB", 8),
+            ("B", 7),
+            ("Fck", 0),
+            ("Fn", 1),
+            ("Fn", 2),
+            ("Fn", 3),
+            ("Fck", 4),
+            ("Fn", 5),
+            ("FB", 6),
+            ("Fall", 4),
+            ("FB", 5),
+            ("B", 4),
+        ]
+    )
     last = [("Fall", 0), ("Fck", 1), ("Fn", 2), ("FB", 3), ("Fall", 1), ("FB", 2), ("B", 1), ("B", 0)]
     sched = Schedule.from_ops(costs, [Op(*op) for op in fwd + back + last], budget=None, algorithm="x")
     f = execute(chain, sched)

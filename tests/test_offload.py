@@ -16,13 +16,24 @@ from jaxremat.solvers.offload import offload_ops
 
 
 def chain4(x=10, xbar=30, fwd=1.0, bwd=2.0, L=4):
-    return jr.ChainCosts(fwd=[fwd] * L, bwd=[bwd] * L, x=[x] * (L + 1), xbar=[xbar] * L, fwd_tmp=[0] * L, bwd_tmp=[0] * L)
+    return jr.ChainCosts(
+        fwd=[fwd] * L, bwd=[bwd] * L, x=[x] * (L + 1), xbar=[xbar] * L, fwd_tmp=[0] * L, bwd_tmp=[0] * L
+    )
 
 
 # -- the simulator ---------------------------------------------------------------------------------
 
-OFFLOADED = [("Fck", 0), ("Fck", 1), ("Offload", 2, "a"), ("Fall", 2), ("Loss", 3), ("Prefetch", 2, "a"),
-             ("B", 2), ("FB", 1), ("FB", 0)]
+OFFLOADED = [
+    ("Fck", 0),
+    ("Fck", 1),
+    ("Offload", 2, "a"),
+    ("Fall", 2),
+    ("Loss", 3),
+    ("Prefetch", 2, "a"),
+    ("B", 2),
+    ("FB", 1),
+    ("FB", 0),
+]
 
 
 def test_transfers_run_beside_compute_and_stall_when_late():
@@ -40,8 +51,17 @@ def test_transfers_run_beside_compute_and_stall_when_late():
 
 def test_offloaded_bytes_leave_at_the_first_op_after_the_copy():
     c = chain4(L=3)
-    ops = [("Fck", 0), ("Fck", 1), ("Offload", 1, "a"), ("Fck", 2), ("Loss", 3), ("FB", 2),
-           ("Prefetch", 1, "a"), ("FB", 1), ("FB", 0)]
+    ops = [
+        ("Fck", 0),
+        ("Fck", 1),
+        ("Offload", 1, "a"),
+        ("Fck", 2),
+        ("Loss", 3),
+        ("FB", 2),
+        ("Prefetch", 1, "a"),
+        ("FB", 1),
+        ("FB", 0),
+    ]
     # the copy of a_1 (2 units) ends during Fck 2's... no: Fck 1 ended at 2, copy 2..4; Fck 2 runs
     # 2..3 with a_1 counted; the Loss at 3 too; FB 2 at 3 too
     slow = jr.simulate(c, ops, bandwidth=5)
@@ -51,13 +71,16 @@ def test_offloaded_bytes_leave_at_the_first_op_after_the_copy():
     assert fast.peak == keep.peak - 10  # released before Fck 2 starts (its copy ended at 2 + 1e-8)
 
 
-@pytest.mark.parametrize("ops, bandwidth, message", [
-    (OFFLOADED, None, "needs a bandwidth"),
-    ([op for op in OFFLOADED if op[0] != "Prefetch"], 1e9, "not prefetched"),
-    ([op for op in OFFLOADED if op[0] != "Offload"], 5, "not on the host"),
-    (OFFLOADED[:3] + [("Offload", 2, "a")] + OFFLOADED[3:], 5, "already offloaded"),
-    ([("Offload", 1, "a")] + OFFLOADED, 5, "nothing to offload"),
-])
+@pytest.mark.parametrize(
+    "ops, bandwidth, message",
+    [
+        (OFFLOADED, None, "needs a bandwidth"),
+        ([op for op in OFFLOADED if op[0] != "Prefetch"], 1e9, "not prefetched"),
+        ([op for op in OFFLOADED if op[0] != "Offload"], 5, "not on the host"),
+        (OFFLOADED[:3] + [("Offload", 2, "a")] + OFFLOADED[3:], 5, "already offloaded"),
+        ([("Offload", 1, "a")] + OFFLOADED, 5, "nothing to offload"),
+    ],
+)
 def test_bad_transfers_name_the_op(ops, bandwidth, message):
     with pytest.raises(ValueError, match=message) as e:
         jr.simulate(chain4(L=3), ops, bandwidth=bandwidth)
@@ -149,8 +172,15 @@ def random_chain(pick, min_len: int = 1) -> jr.ChainCosts:
     options = [[jr.StageOption("p", pick(0, xbar[i]), bwd[i] + t(), tmp())] if pick(0, 1) else [] for i in range(L)]
     fb = [(fwd[i] + bwd[i], fwd[i] + bwd[i] + 1.0, bwd[i])[pick(0, 2)] for i in range(L)]
     return jr.ChainCosts(
-        x=x, xbar=xbar, fwd=fwd, bwd=bwd, fwd_tmp=[tmp() for _ in range(L)], bwd_tmp=[tmp() for _ in range(L)],
-        fb=fb, fb_tmp=[tmp() for _ in range(L)], options=options,
+        x=x,
+        xbar=xbar,
+        fwd=fwd,
+        bwd=bwd,
+        fwd_tmp=[tmp() for _ in range(L)],
+        bwd_tmp=[tmp() for _ in range(L)],
+        fb=fb,
+        fb_tmp=[tmp() for _ in range(L)],
+        options=options,
     )
 
 
@@ -252,8 +282,12 @@ def test_solve_time_grows_gently():
     rng = np.random.default_rng(0)
     L = 24
     c = jr.ChainCosts(
-        x=rng.integers(1, 100, L + 1), xbar=rng.integers(1, 400, L), fwd=rng.uniform(0.5, 3, L),
-        bwd=rng.uniform(1, 6, L), fwd_tmp=rng.integers(0, 30, L), bwd_tmp=rng.integers(0, 30, L),
+        x=rng.integers(1, 100, L + 1),
+        xbar=rng.integers(1, 400, L),
+        fwd=rng.uniform(0.5, 3, L),
+        bwd=rng.uniform(1, 6, L),
+        fwd_tmp=rng.integers(0, 30, L),
+        bwd_tmp=rng.integers(0, 30, L),
     )
     budget = jr.min_budget(c) + 200
     s = jr.solve(c, budget, algorithm="optimal_offload", bandwidth=20, slots=200)
@@ -262,12 +296,24 @@ def test_solve_time_grows_gently():
 
 CRAFTED = [
     # a big bundle offloaded while the next step's forward has a big transient
-    (jr.ChainCosts(x=[1] * 5, xbar=[20, 6, 6, 6], fwd=[1] * 4, bwd=[1] * 4, fwd_tmp=[0, 5, 0, 0], bwd_tmp=[0] * 4), (20, 20)),
+    (
+        jr.ChainCosts(x=[1] * 5, xbar=[20, 6, 6, 6], fwd=[1] * 4, bwd=[1] * 4, fwd_tmp=[0, 5, 0, 0], bwd_tmp=[0] * 4),
+        (20, 20),
+    ),
     # a_1 still on its way to the host while the next stage's forward peaks
     (jr.ChainCosts(x=[8, 6, 8], xbar=[7, 13], fwd=[3, 3], bwd=[1, 2], fwd_tmp=[1, 16], bwd_tmp=[1, 1]), 64),
     # a slow link back: prefetches stall beside short backwards
-    (jr.ChainCosts(x=[2, 6, 6, 6, 6], xbar=[12, 12, 12, 12], fwd=[2, 2, 2, 2], bwd=[1, 1, 1, 1], fwd_tmp=[1, 1, 1, 1],
-                   bwd_tmp=[2, 2, 2, 2]), (40, 3)),
+    (
+        jr.ChainCosts(
+            x=[2, 6, 6, 6, 6],
+            xbar=[12, 12, 12, 12],
+            fwd=[2, 2, 2, 2],
+            bwd=[1, 1, 1, 1],
+            fwd_tmp=[1, 1, 1, 1],
+            bwd_tmp=[2, 2, 2, 2],
+        ),
+        (40, 3),
+    ),
 ]
 
 

@@ -58,8 +58,9 @@ def _offload_schedules(chain, v, x):
 
 @pytest.fixture(scope="module")
 def noisy():
-    chain = Chain.from_linen([Noisy() if i % 2 else Wide() for i in range(6)], mutable=("batch_stats",),
-                             rng_streams=("dropout",))
+    chain = Chain.from_linen(
+        [Noisy() if i % 2 else Wide() for i in range(6)], mutable=("batch_stats",), rng_streams=("dropout",)
+    )
     x = jax.random.normal(jax.random.key(1), (8, 16))
     v = chain.init(jax.random.key(0), x)
     costs, schedules = _offload_schedules(chain, v, x)
@@ -134,9 +135,25 @@ def test_a_stage_whose_input_and_bundle_are_both_offloaded_moves_them_apart(nois
     under its own ``Prefetch``): two ``device_put`` to the host, not one holding both. A solver
     schedule of this shape appeared when a profile changed; the executor then moved them as one."""
     chain, x, v, costs, _ = noisy
-    ops = [("Fck", 0), ("Offload", 1, "a"), ("Fall", 1), ("Offload", 1, "abar"), ("Fck", 2), ("Fall", 3),
-           ("Fall", 4), ("Fall", 5), ("Loss", 6), ("B", 5), ("B", 4), ("Prefetch", 1, "abar"), ("B", 3),
-           ("Prefetch", 1, "a"), ("FB", 2), ("B", 1), ("FB", 0)]
+    ops = [
+        ("Fck", 0),
+        ("Offload", 1, "a"),
+        ("Fall", 1),
+        ("Offload", 1, "abar"),
+        ("Fck", 2),
+        ("Fall", 3),
+        ("Fall", 4),
+        ("Fall", 5),
+        ("Loss", 6),
+        ("B", 5),
+        ("B", 4),
+        ("Prefetch", 1, "abar"),
+        ("B", 3),
+        ("Prefetch", 1, "a"),
+        ("FB", 2),
+        ("B", 1),
+        ("FB", 0),
+    ]
     s = jr.Schedule.from_ops(costs, ops, budget=None, algorithm="x", bandwidth=1e12)
     rngs = {"dropout": jax.random.key(7)}
     f = execute(chain, s)
@@ -166,8 +183,20 @@ def test_lowered_for_a_gpu_xla_is_handed_the_transfers(noisy):
 def test_executor_refuses_offloads_it_cannot_run():
     chain = Chain.from_linen([Wide() for _ in range(3)])
     costs = jr.ChainCosts(x=[4] * 4, xbar=[8] * 3, fwd=[1] * 3, bwd=[2] * 3, fwd_tmp=[0] * 3, bwd_tmp=[0] * 3)
-    inner = [("Fck", 0), ("Fn", 1), ("Fn", 2), ("Loss", 3), ("Fck", 0), ("Offload", 1, "a"), ("Fall", 1), ("Fall", 2),
-             ("B", 2), ("Prefetch", 1, "a"), ("B", 1), ("FB", 0)]
+    inner = [
+        ("Fck", 0),
+        ("Fn", 1),
+        ("Fn", 2),
+        ("Loss", 3),
+        ("Fck", 0),
+        ("Offload", 1, "a"),
+        ("Fall", 1),
+        ("Fall", 2),
+        ("B", 2),
+        ("Prefetch", 1, "a"),
+        ("B", 1),
+        ("FB", 0),
+    ]
     s = jr.Schedule.from_ops(costs, inner, budget=None, algorithm="by hand", bandwidth=1.0)
     with pytest.raises(ValueError, match="top level"):
         execute(chain, s)
@@ -307,10 +336,18 @@ def test_an_offload_loop_only_moves_its_buffers():
     _, chain, v, x = _noisy_repeat(6)
     stacked = chain.layer_variables(v)[1]
     stage = chain.stages[1]
-    step_for = lambda option: lambda p, keys, a, u: stage.apply(  # noqa: E731
-        {c: t["body"] for c, t in p.items()}, a, jax.random.fold_in(keys, u))
-    moved = (CopyKind(True, 0, False, True), CopyKind(True, 0, False, True), CopyKind(False, 0, True),
-             CopyKind(True, 0, True, False), CopyKind(False, 0, False), CopyKind(True, 0, True, True))
+
+    def step_for(option):
+        return lambda p, keys, a, u: stage.apply({c: t["body"] for c, t in p.items()}, a, jax.random.fold_in(keys, u))
+
+    moved = (
+        CopyKind(True, 0, False, True),
+        CopyKind(True, 0, False, True),
+        CopyKind(False, 0, True),
+        CopyKind(True, 0, True, False),
+        CopyKind(False, 0, False),
+        CopyKind(True, 0, True, True),
+    )
     kept = tuple(CopyKind(k.stored) for k in moved)
     a0 = jax.random.normal(jax.random.key(2), (8, 16))
 

@@ -24,8 +24,15 @@ from test_exhaustive import exhaustive_best_time
 
 
 def chain3(**v2) -> jr.ChainCosts:
-    return jr.ChainCosts(x=[100, 10, 15, 20], xbar=[30, 35, 40], fwd=[1.0, 2.0, 3.0], bwd=[2.0, 3.0, 4.0],
-                         fwd_tmp=[5, 6, 7], bwd_tmp=[8, 9, 10], **v2)
+    return jr.ChainCosts(
+        x=[100, 10, 15, 20],
+        xbar=[30, 35, 40],
+        fwd=[1.0, 2.0, 3.0],
+        bwd=[2.0, 3.0, 4.0],
+        fwd_tmp=[5, 6, 7],
+        bwd_tmp=[8, 9, 10],
+        **v2,
+    )
 
 
 # -- the simulator ---------------------------------------------------------------------------------
@@ -33,7 +40,18 @@ def chain3(**v2) -> jr.ChainCosts:
 
 def test_fb_defaults_cost_what_fall_then_b_costs():
     c = chain3()
-    fall_b = [("Fck", 0), ("Fck", 1), ("Fck", 2), ("Loss", 3), ("Fall", 2), ("B", 2), ("Fall", 1), ("B", 1), ("Fall", 0), ("B", 0)]
+    fall_b = [
+        ("Fck", 0),
+        ("Fck", 1),
+        ("Fck", 2),
+        ("Loss", 3),
+        ("Fall", 2),
+        ("B", 2),
+        ("Fall", 1),
+        ("B", 1),
+        ("Fall", 0),
+        ("B", 0),
+    ]
     fused = [("Fck", 0), ("Fck", 1), ("Fck", 2), ("Loss", 3), ("FB", 2), ("FB", 1), ("FB", 0)]
     assert jr.simulate(c, fused) == jr.simulate(c, fall_b)
 
@@ -68,7 +86,6 @@ def test_options_are_validated_and_travel_in_dicts_and_tables():
         chain3(options=[[("a", 1, 1.0, 1), ("a", 2, 1.0, 1)], [], []])
     with pytest.raises(ValueError, match="fb has 2 entries"):
         chain3(fb=[1.0, 2.0])
-
 
 
 def test_output_bytes_a_backward_does_not_read_are_gone_when_it_runs():
@@ -152,8 +169,16 @@ def test_near_ties_in_time_go_to_the_schedule_of_fewer_flops():
     def chain(option_bwd: float, flops: bool = True) -> jr.ChainCosts:
         counted = dict(fwd_flops=[10.0, 10.0], bwd_flops=[20.0, 20.0], fb_flops=[30.0, 30.0]) if flops else {}
         option = jr.StageOption("policy", 200, option_bwd, 0, 25.0 if flops else None)
-        return jr.ChainCosts(x=[100, 100, 100], xbar=[300, 300], fwd=[1.0, 1.0], bwd=[2.0, 2.0], fwd_tmp=[0, 0],
-                             bwd_tmp=[0, 0], options=[[option], [option]], **counted)
+        return jr.ChainCosts(
+            x=[100, 100, 100],
+            xbar=[300, 300],
+            fwd=[1.0, 1.0],
+            bwd=[2.0, 2.0],
+            fwd_tmp=[0, 0],
+            bwd_tmp=[0, 0],
+            options=[[option], [option]],
+            **counted,
+        )
 
     def options_used(s: jr.Schedule) -> list[int]:
         return sorted({op.option for op in s.ops if op.kind == "Fall"})
@@ -174,11 +199,18 @@ def test_exhaustive_search_with_options_and_fb_never_beats_the_dp_from_below():
         L = int(rng.integers(1, 4))
         xbar = rng.integers(2, 30, L) * 8
         costs = jr.ChainCosts(
-            x=rng.integers(1, 12, L + 1) * 8, xbar=xbar, fwd=rng.integers(1, 5, L).astype(float),
-            bwd=rng.integers(1, 8, L).astype(float), fwd_tmp=rng.integers(0, 3, L) * 8, bwd_tmp=rng.integers(0, 3, L) * 8,
-            fb=rng.integers(1, 10, L).astype(float), fb_tmp=rng.integers(0, 20, L) * 8,
-            options=[[jr.StageOption("p", int(xbar[i] // 2), float(rng.integers(2, 10)), int(rng.integers(0, 3)) * 8)]
-                     for i in range(L)],
+            x=rng.integers(1, 12, L + 1) * 8,
+            xbar=xbar,
+            fwd=rng.integers(1, 5, L).astype(float),
+            bwd=rng.integers(1, 8, L).astype(float),
+            fwd_tmp=rng.integers(0, 3, L) * 8,
+            bwd_tmp=rng.integers(0, 3, L) * 8,
+            fb=rng.integers(1, 10, L).astype(float),
+            fb_tmp=rng.integers(0, 20, L) * 8,
+            options=[
+                [jr.StageOption("p", int(xbar[i] // 2), float(rng.integers(2, 10)), int(rng.integers(0, 3)) * 8)]
+                for i in range(L)
+            ],
         )
         lo, hi = jr.min_budget(costs), jr.store_all_peak(costs)
         for budget in sorted({lo, (lo + hi) // 2, hi}):
@@ -207,26 +239,42 @@ class Block(nn.Module):
 
 
 def test_options_and_fb_run_exactly_with_dropout_and_batch_stats():
-    chain = jr.Chain.from_linen([Block(), Noisy(), Block(), Noisy(), Block()], mutable=("batch_stats",),
-                                rng_streams=("dropout",))
+    chain = jr.Chain.from_linen(
+        [Block(), Noisy(), Block(), Noisy(), Block()], mutable=("batch_stats",), rng_streams=("dropout",)
+    )
     x = jax.random.normal(jax.random.key(0), (8, 16))
     v = chain.init(jax.random.key(1), x)
     rngs = {"dropout": jax.random.key(2)}
     L = len(chain)
     opts = [[jr.StageOption("dots_saveable", 4, 1.0, 0), jr.StageOption("nothing_saveable", 2, 1.0, 0)]] * L
     costs = jr.ChainCosts.uniform(L, x=1, xbar=8)
-    costs = jr.ChainCosts(**{f: getattr(costs, f) for f in ("x", "xbar", "fwd", "bwd", "fwd_tmp", "bwd_tmp")}, options=opts)
+    costs = jr.ChainCosts(
+        **{f: getattr(costs, f) for f in ("x", "xbar", "fwd", "bwd", "fwd_tmp", "bwd_tmp")}, options=opts
+    )
 
     def grads(f):
         def loss(v):
             out, upd = f(v, x, rngs)
-            return jnp.mean(out ** 2), upd
+            return jnp.mean(out**2), upd
+
         return jr.jit(jax.value_and_grad(loss, has_aux=True))(v)
 
     (ref_l, ref_u), ref_g = grads(plain_forward(chain))
     schedules = [
-        [("Fall", 0, 1), ("Fall", 1, 2), ("Fck", 2), ("Fn", 3), ("Fall", 4, 1), ("Loss", 5), ("B", 4), ("Fall", 2, 1), ("FB", 3),
-         ("B", 2), ("B", 1), ("B", 0)],
+        [
+            ("Fall", 0, 1),
+            ("Fall", 1, 2),
+            ("Fck", 2),
+            ("Fn", 3),
+            ("Fall", 4, 1),
+            ("Loss", 5),
+            ("B", 4),
+            ("Fall", 2, 1),
+            ("FB", 3),
+            ("B", 2),
+            ("B", 1),
+            ("B", 0),
+        ],
         baselines.every_stage(L),
         baselines.sqrt_segments(L),
     ]
@@ -245,8 +293,15 @@ def test_an_option_keeps_what_its_policy_saves():
     chain = jr.Chain.from_linen([Block(), Block()])
     x = jnp.ones((64, 16))
     v = chain.init(jax.random.key(0), x)
-    costs = jr.ChainCosts(x=[1, 1, 1], xbar=[8, 8], fwd=[1, 1], bwd=[1, 1], fwd_tmp=[0, 0], bwd_tmp=[0, 0],
-                          options=[[jr.StageOption("nothing_saveable", 1, 2.0, 0)]] * 2)
+    costs = jr.ChainCosts(
+        x=[1, 1, 1],
+        xbar=[8, 8],
+        fwd=[1, 1],
+        bwd=[1, 1],
+        fwd_tmp=[0, 0],
+        bwd_tmp=[0, 0],
+        options=[[jr.StageOption("nothing_saveable", 1, 2.0, 0)]] * 2,
+    )
 
     def residual_bytes(ops):
         f = execute(chain, jr.Schedule.from_ops(costs, ops, budget=None, algorithm="optimal"))
@@ -261,11 +316,21 @@ def test_an_option_keeps_what_its_policy_saves():
 
 def test_unknown_and_bad_policies_are_named():
     chain = jr.Chain.from_linen([Block(), Block()])
-    costs = jr.ChainCosts(x=[1, 1, 1], xbar=[8, 8], fwd=[1, 1], bwd=[1, 1], fwd_tmp=[0, 0], bwd_tmp=[0, 0],
-                          options=[[jr.StageOption("qkv", 1, 2.0, 0)]] * 2)
-    sched = jr.Schedule.from_ops(costs, [("Fall", 0, 1), ("Fall", 1), ("Loss", 2), ("B", 1), ("B", 0)], budget=None,
-                                 algorithm="optimal")
-    with pytest.raises(ValueError, match=r"stage 0 \(0:Block\), option 1, is stored under policy 'qkv'.*policies=\{'qkv'"):
+    costs = jr.ChainCosts(
+        x=[1, 1, 1],
+        xbar=[8, 8],
+        fwd=[1, 1],
+        bwd=[1, 1],
+        fwd_tmp=[0, 0],
+        bwd_tmp=[0, 0],
+        options=[[jr.StageOption("qkv", 1, 2.0, 0)]] * 2,
+    )
+    sched = jr.Schedule.from_ops(
+        costs, [("Fall", 0, 1), ("Fall", 1), ("Loss", 2), ("B", 1), ("B", 0)], budget=None, algorithm="optimal"
+    )
+    with pytest.raises(
+        ValueError, match=r"stage 0 \(0:Block\), option 1, is stored under policy 'qkv'.*policies=\{'qkv'"
+    ):
         execute(chain, sched)
     f = execute(chain, sched, policies={"qkv": jax.checkpoint_policies.save_only_these_names("q")})
     assert f(chain.init(jax.random.key(0), jnp.ones((2, 16))), jnp.ones((2, 16)))[0].shape == (2, 16)
@@ -297,8 +362,15 @@ def test_profile_measures_store_options_and_fb():
     assert np.all(costs.fb <= costs.fwd + costs.bwd + 1e-12)
     none = jr.profile(chain, v, x, method="xla", rates=rates, quiet=True, policies=())
     assert none.options is None and np.array_equal(none.xbar, costs.xbar)
-    mine = jr.profile(chain, v, x, method="xla", rates=rates, quiet=True,
-                      policies={"nothing": jax.checkpoint_policies.nothing_saveable})
+    mine = jr.profile(
+        chain,
+        v,
+        x,
+        method="xla",
+        rates=rates,
+        quiet=True,
+        policies={"nothing": jax.checkpoint_policies.nothing_saveable},
+    )
     assert "nothing" in {o.name for per in mine.options for o in per}
 
 
@@ -312,7 +384,11 @@ def test_plans_save_and_load_options_and_fb(tmp_path):
     assert p.costs.options is not None
     p.save(tmp_path / "plan.json")
     q = jr.load_plan(tmp_path / "plan.json")
-    assert q.schedule.ops == p.schedule.ops and q.costs == p.costs and (q.schedule.peak, q.schedule.time) == (p.schedule.peak, p.schedule.time)
+    assert (
+        q.schedule.ops == p.schedule.ops
+        and q.costs == p.costs
+        and (q.schedule.peak, q.schedule.time) == (p.schedule.peak, p.schedule.time)
+    )
 
 
 def test_a_repeat_layer_stored_under_a_policy_runs_as_a_loop_exactly():
@@ -322,8 +398,15 @@ def test_a_repeat_layer_stored_under_a_policy_runs_as_a_loop_exactly():
     x = jax.random.normal(jax.random.key(0), (8, 16))
     v = chain.init(jax.random.key(1), x)
     L = len(chain)
-    costs = jr.ChainCosts(x=[1] * (L + 1), xbar=[8] * L, fwd=[1] * L, bwd=[1] * L, fwd_tmp=[0] * L, bwd_tmp=[0] * L,
-                          options=[[jr.StageOption("dots_saveable", 4, 1.5, 0)]] * L)
+    costs = jr.ChainCosts(
+        x=[1] * (L + 1),
+        xbar=[8] * L,
+        fwd=[1] * L,
+        bwd=[1] * L,
+        fwd_tmp=[0] * L,
+        bwd_tmp=[0] * L,
+        options=[[jr.StageOption("dots_saveable", 4, 1.5, 0)]] * L,
+    )
     ops = [("Fall", 0)] + [("Fall", i, 1) for i in range(1, L - 1)] + [("Fall", L - 1), ("Loss", L)]
     ops += [("B", i) for i in reversed(range(L))]
     f = execute(chain, jr.Schedule.from_ops(costs, ops, budget=None, algorithm="optimal"))
@@ -355,8 +438,21 @@ def test_an_option_that_recomputes_less_is_kept_whatever_its_timing():
     from jaxremat.profiling.profiler import useful_options
     from jaxremat.profiling.stage import OptionProfile, StageProfile
 
-    stage = dict(name="b", kind="Block", out_shape="(4,)", x_out=4, xbar=100, fwd_tmp=0, bwd_tmp=10,
-                 fwd_flops=1.0, bwd_flops=2.0, fwd_bytes=0.0, bwd_bytes=0.0, fwd_time=1.0, bwd_time=2.0)
+    stage = dict(
+        name="b",
+        kind="Block",
+        out_shape="(4,)",
+        x_out=4,
+        xbar=100,
+        fwd_tmp=0,
+        bwd_tmp=10,
+        fwd_flops=1.0,
+        bwd_flops=2.0,
+        fwd_bytes=0.0,
+        bwd_bytes=0.0,
+        fwd_time=1.0,
+        bwd_time=2.0,
+    )
     # OptionProfile(name, xbar, bwd_tmp, bwd_flops, bwd_bytes, bwd_time)
     fewer = OptionProfile("dots_saveable", 40, 12, 2.5, 0.0, 2.6)  # recomputes less, timed slower
     smaller = OptionProfile("dots_with_no_batch_dims_saveable", 20, 12, 3.0, 0.0, 2.5)
@@ -388,8 +484,15 @@ def test_a_policy_candidate_takes_the_least_kept_option_where_a_stage_lacks_the_
 
     dots = jr.StageOption("dots_saveable", 150, 2.0, 0)
     nobatch = jr.StageOption("dots_with_no_batch_dims_saveable", 120, 2.5, 0)
-    costs = jr.ChainCosts(x=[100, 100, 100], xbar=[300, 300], fwd=[1.0, 1.0], bwd=[2.0, 2.0], fwd_tmp=[0, 0],
-                          bwd_tmp=[0, 0], options=[[dots], [dots, nobatch]])
+    costs = jr.ChainCosts(
+        x=[100, 100, 100],
+        xbar=[300, 300],
+        fwd=[1.0, 1.0],
+        bwd=[2.0, 2.0],
+        fwd_tmp=[0, 0],
+        bwd_tmp=[0, 0],
+        options=[[dots], [dots, nobatch]],
+    )
     ops = candidates(costs)["every stage under dots_with_no_batch_dims_saveable"]
     assert [op.option for op in ops if op.kind == "Fall"] == [1, 2]
     peak, time = jr.simulate(costs, ops)

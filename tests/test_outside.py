@@ -124,7 +124,11 @@ def test_no_more_flops_than_a_hand_policy_at_its_memory(hand):
     stage checkpointed' measured 6.36 MB against jax.checkpoint's 5.31 in this step, and at that
     memory needed 1.65x its flops."""
     (memory, flops), (got_memory, got_flops) = hand_and_jaxremat(hand)
-    assert got_memory <= memory + HAND_BYTES and got_flops <= flops * LAST_ACTIVATION, (got_memory, memory, got_flops / flops)
+    assert got_memory <= memory + HAND_BYTES and got_flops <= flops * LAST_ACTIVATION, (
+        got_memory,
+        memory,
+        got_flops / flops,
+    )
 
 
 def test_equinox_model_with_static_leaves_through_filter_transforms():
@@ -139,9 +143,19 @@ def test_equinox_model_with_static_leaves_through_filter_transforms():
         np.testing.assert_allclose(a, b, **TOL)
     # a Python scalar beside the arrays is static, as under jax.grad
     w = jnp.ones((16, 16)) / 4
-    g = jr.remat(lambda w, n: jnp.mean(jnp.tanh(jnp.tanh(jnp.ones((4, 16)) @ w) @ w) ** n), None, verify=False,
-                 stages="bytes", method="xla", rates=RATES)
-    np.testing.assert_allclose(jax.grad(g)(w, 3), jax.grad(lambda w, n: jnp.mean(jnp.tanh(jnp.tanh(jnp.ones((4, 16)) @ w) @ w) ** n))(w, 3), **TOL)
+    g = jr.remat(
+        lambda w, n: jnp.mean(jnp.tanh(jnp.tanh(jnp.ones((4, 16)) @ w) @ w) ** n),
+        None,
+        verify=False,
+        stages="bytes",
+        method="xla",
+        rates=RATES,
+    )
+    np.testing.assert_allclose(
+        jax.grad(g)(w, 3),
+        jax.grad(lambda w, n: jnp.mean(jnp.tanh(jnp.tanh(jnp.ones((4, 16)) @ w) @ w) ** n))(w, 3),
+        **TOL,
+    )
 
 
 def test_remat_nnx_takes_an_nnx_list():

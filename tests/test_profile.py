@@ -204,7 +204,10 @@ def test_nnx_chain_matches_the_module_and_profiles():
     from flax import nnx
 
     seq = nnx.Sequential(
-        nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.BatchNorm(32, rngs=nnx.Rngs(1)), nnx.Linear(32, 8, rngs=nnx.Rngs(2))
+        nnx.Linear(16, 32, rngs=nnx.Rngs(0)),
+        nnx.relu,
+        nnx.BatchNorm(32, rngs=nnx.Rngs(1)),
+        nnx.Linear(32, 8, rngs=nnx.Rngs(2)),
     )
     chain = Chain.from_nnx(seq)
     x = jnp.ones((4, 16))

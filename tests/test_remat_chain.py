@@ -67,7 +67,9 @@ def test_plan_save_load_and_refuse_other_models(tmp_path):
     np.testing.assert_allclose(f(v, x)[0], model.apply(v, x), rtol=1e-6)
     with pytest.raises(ValueError, match="another model or input shape"):
         q.executor(chain, v, jnp.ones((4, 16)))
-    other = jr.Chain.from_linen(nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(64), nn.gelu, nn.Dense(64), nn.gelu, nn.Dense(4)]))
+    other = jr.Chain.from_linen(
+        nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(64), nn.gelu, nn.Dense(64), nn.gelu, nn.Dense(4)])
+    )
     with pytest.raises(ValueError, match="another model"):
         q.check(other, v, x)
     (tmp_path / "bad.json").write_text('{"format": "something"}')
@@ -85,7 +87,9 @@ def test_class_decorator_and_bad_budgets():
     net = Net([nn.Dense(8), nn.tanh, nn.Dense(2)])
     x = jnp.ones((4, 3))
     v = net.init(jax.random.key(0), x)
-    np.testing.assert_allclose(net.apply(v, x), nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(2)]).apply(v, x), rtol=1e-6)
+    np.testing.assert_allclose(
+        net.apply(v, x), nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(2)]).apply(v, x), rtol=1e-6
+    )
     with pytest.raises(ValueError, match="expected an int of bytes"):
         jr.remat_chain("lots", method="xla")(nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(2)])).apply(v, x)
     tiny = jr.remat_chain(16, method="xla")(nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(2)]))

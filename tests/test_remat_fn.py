@@ -99,8 +99,9 @@ def dict_case():
 
 def nnx_case():
     r = nnx.Rngs(0)
-    model = nnx.Sequential(*[nnx.Sequential(nnx.Linear(32, 128, rngs=r), nnx.gelu, nnx.Linear(128, 32, rngs=r))
-                             for _ in range(6)])
+    model = nnx.Sequential(
+        *[nnx.Sequential(nnx.Linear(32, 128, rngs=r), nnx.gelu, nnx.Linear(128, 32, rngs=r)) for _ in range(6)]
+    )
     graphdef, state = nnx.split(model)
     x = jax.random.normal(jax.random.key(1), (64, 32))
 
@@ -163,7 +164,9 @@ def test_gradients_exact_and_memory_as_planned(name):
         assert temp <= 1.10 * plan.schedule.peak, (budget, temp, plan.schedule.peak)
         if plan.verification is not None:
             v = plan.verification  # the update step, verified (a hand strategy within its stated slack)
-            assert v.measured_peak <= plan.schedule.budget + (0 if v.chosen in ("plan", "corrected plan") else HAND_BYTES)
+            assert v.measured_peak <= plan.schedule.budget + (
+                0 if v.chosen in ("plan", "corrected plan") else HAND_BYTES
+            )
         costs = plan.schedule.costs
         if name == "unet":  # three skip tensors, each one buffer however many activations carry it
             assert [(v.first, v.last) for v in costs.shared] == [(3, 12), (5, 10), (7, 8)]
@@ -218,8 +221,14 @@ def test_a_pre_norm_residual_block_is_cut_where_only_the_residual_stream_crosses
 def test_every_k_stages_starts_where_the_blocks_do():
     # a prologue stage, then blocks of two stages whose boundaries keep one activation (the
     # chain of the test above): the hand strategy checkpoints the blocks, not the halves
-    costs = jr.ChainCosts(x=[4, 4, 16, 4, 16, 4, 16, 4, 1], xbar=[8, 20, 8, 20, 8, 20, 8, 2],
-                          fwd=[1.0] * 8, bwd=[2.0] * 8, fwd_tmp=[0] * 8, bwd_tmp=[0] * 8)
+    costs = jr.ChainCosts(
+        x=[4, 4, 16, 4, 16, 4, 16, 4, 1],
+        xbar=[8, 20, 8, 20, 8, 20, 8, 2],
+        fwd=[1.0] * 8,
+        bwd=[2.0] * 8,
+        fwd_tmp=[0] * 8,
+        bwd_tmp=[0] * 8,
+    )
     hands = verify_mod.hand_strategies(costs, by_period(costs, 2))
     starts = [op.stage for op in hands["every 2 stages checkpointed"].ops if op.kind == OpKind.FCK]
     assert starts == [0, 1, 3, 5, 7], starts
@@ -233,8 +242,16 @@ def test_every_k_stages_starts_where_the_blocks_do():
     costs = jr.ChainCosts(x=x, xbar=[8] * 16, fwd=[1.0] * 16, bwd=[1.0] * 16, fwd_tmp=[0] * 16, bwd_tmp=[0] * 16)
     assert by_period(costs, 4) == [(0, 5), (5, 9), (9, 13), (13, 15)]
     # cut at Flax scopes: a module's stages are one block, a user's nn.remat block one stage
-    names = ["0:M/B_0/Conv_0", "1:M/B_0/BatchNorm_0", "2:M/B_0/Conv_1", "3:M/Remat_0", "4:M/B_1/Conv_0",
-             "5:M/B_1/Conv_1", "6:M/Dense_0/dot_general@76", "7:loss"]
+    names = [
+        "0:M/B_0/Conv_0",
+        "1:M/B_0/BatchNorm_0",
+        "2:M/B_0/Conv_1",
+        "3:M/Remat_0",
+        "4:M/B_1/Conv_0",
+        "5:M/B_1/Conv_1",
+        "6:M/Dense_0/dot_general@76",
+        "7:loss",
+    ]
     assert by_scope(names, 3) == [(0, 3), (3, 4), (4, 6), (6, 7)]
 
 
@@ -292,8 +309,13 @@ def test_constants_are_recomputed_where_read_not_held():
     traced = JaxprChain.of(closed)
     assert not [c for c in traced.closed.consts if np.ndim(c)] and traced.context_bytes == 0
     assert all(any(e.invars for e in p.eqns) for p in traced.plans)
-    readers = [k for k, p in enumerate(traced.plans) if any(e.primitive.name == "broadcast_in_dim" and not
-                                                            [v for v in e.invars if hasattr(v, "count")] for e in p.eqns)]
+    readers = [
+        k
+        for k, p in enumerate(traced.plans)
+        if any(
+            e.primitive.name == "broadcast_in_dim" and not [v for v in e.invars if hasattr(v, "count")] for e in p.eqns
+        )
+    ]
     assert len(readers) >= 1
     f = jr.remat(loss, "90%", method="xla", rates=Rates(1e10, 1e10), verify=False)
     np.testing.assert_allclose(jax.grad(f)(*args), jax.grad(loss)(*args), rtol=1e-6, atol=1e-7)

@@ -13,8 +13,14 @@ import jaxremat as jr
 def make(seed: int = 0) -> nnx.Sequential:
     r = nnx.Rngs(seed)
     return nnx.Sequential(
-        nnx.Linear(16, 64, rngs=r), nnx.gelu, nnx.Linear(64, 64, rngs=r), nnx.BatchNorm(64, rngs=r),
-        nnx.gelu, nnx.Linear(64, 64, rngs=r), nnx.gelu, nnx.Linear(64, 4, rngs=r),
+        nnx.Linear(16, 64, rngs=r),
+        nnx.gelu,
+        nnx.Linear(64, 64, rngs=r),
+        nnx.BatchNorm(64, rngs=r),
+        nnx.gelu,
+        nnx.Linear(64, 64, rngs=r),
+        nnx.gelu,
+        nnx.Linear(64, 4, rngs=r),
     )
 
 

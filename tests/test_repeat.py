@@ -25,7 +25,12 @@ from jaxremat.core.schedule import Schedule
 from jaxremat.solvers import baselines
 from jaxremat.core.loops import compile_rank, is_selective
 from jaxremat.solvers.periodic import (
-    COMPILE_TOLERANCE, patterns, periodic_schedules, periodic_tree, selective, solve_periodic,
+    COMPILE_TOLERANCE,
+    patterns,
+    periodic_schedules,
+    periodic_tree,
+    selective,
+    solve_periodic,
 )
 from jaxremat.solvers.regular import MAX_KINDS_PERMUTED, regularise
 from jaxremat.core.tree import StoreUnit, parse, to_ops, units
@@ -80,8 +85,14 @@ S, R = ("store", 1), ("region", 1)
 # the last two are selective loops (copies stored or checkpointed alone in a mix that repeats no
 # pattern of up to 4 copies: one loop body); (R, S) and (R, R, S, R) run as loops over the pattern
 PATTERNS = [
-    (S,), (("region", 2), S), (S, ("nested", 3)), (("nested", 4),), (R, S), (R, R, S, R),
-    (S, S, R, S, R, R, R, S, R, S, S, R), (S,) * 5 + (R,) * 7,
+    (S,),
+    (("region", 2), S),
+    (S, ("nested", 3)),
+    (("nested", 4),),
+    (R, S),
+    (R, R, S, R),
+    (S, S, R, S, R, R, R, S, R, S, S, R),
+    (S,) * 5 + (R,) * 7,
 ]
 
 
@@ -243,7 +254,9 @@ def test_periodic_solver_fits_runs_as_a_loop_and_is_the_fastest_loop(n, before, 
     every = periodic_schedules(costs, groups, selective_steps=n)
     fitting = [c for c in every if c.peak <= budget]
     if sched is None:
-        assert not fitting and all(jr.simulate(costs, ops)[0] > budget for ops in (baselines.store_all(L), baselines.every_stage(L)))
+        assert not fitting and all(
+            jr.simulate(costs, ops)[0] > budget for ops in (baselines.store_all(L), baselines.every_stage(L))
+        )
         return
     assert sched.peak <= budget and jr.simulate(costs, sched.ops) == (sched.peak, sched.time)
     pattern = _group_pattern(sched, before, n)
@@ -343,7 +356,9 @@ def test_periodic_patterns_store_copies_under_their_options():
         assert better is not None and better.peak <= budget
         assert jr.simulate(with_options, better.ops) == (better.peak, better.time)
         assert plain is None or better.time <= plain.time + 1e-9
-        stored = [u for u in units(parse(better.ops, L))[0] if isinstance(u, StoreUnit) and start <= u.stage < start + n]
+        stored = [
+            u for u in units(parse(better.ops, L))[0] if isinstance(u, StoreUnit) and start <= u.stage < start + n
+        ]
         picked.append(sum(u.option == 1 for u in stored))
     assert picked[0] > 0, picked  # at half the store-all peak the copies are stored under the option
 

@@ -42,8 +42,10 @@ def test_every_stage_peak_by_hand():
         ([("Fall", 0), ("B", 0)], r"op #1 \('B', 0\): a backward op before Loss"),
         ([("Fall", 0), ("Fall", 1), ("Fall", 2), ("Loss", 3), ("B", 1)], "expected the backward of stage 2"),
         ([("Fck", 0), ("Fck", 1), ("Fck", 2), ("Loss", 3), ("B", 2)], r"abar_2 is not live"),
-        ([("Fn", 0), ("Fn", 1), ("Fall", 2), ("Loss", 3), ("B", 2), ("Fall", 1), ("B", 1)],
-         r"op #5 \('Fall', 1\): a_1 is not live"),
+        (
+            [("Fn", 0), ("Fn", 1), ("Fall", 2), ("Loss", 3), ("B", 2), ("Fall", 1), ("B", 1)],
+            r"op #5 \('Fall', 1\): a_1 is not live",
+        ),
         ([("Fall", 0), ("Fall", 1), ("Fall", 2), ("Loss", 3), ("Loss", 3)], "Loss runs exactly once"),
         ([("Fwd", 0)], "unknown op kind"),
         ([("Fall", 7)], "out of range"),
@@ -79,8 +81,14 @@ def test_shared_values_count_once_and_held_bytes_until_their_backward():
     """A value in a_1 .. a_3 is one buffer: checkpoints holding it count it once; bytes held until
     a stage's backward count from the start and go when that backward runs."""
     costs = jr.ChainCosts(
-        x=[0, 100, 100, 100, 10], xbar=[100, 100, 100, 10], fwd=[1] * 4, bwd=[1] * 4,
-        fwd_tmp=[0] * 4, bwd_tmp=[0] * 4, fb_tmp=[0] * 4, shared=[jr.Shared(1, 3, 60)],
+        x=[0, 100, 100, 100, 10],
+        xbar=[100, 100, 100, 10],
+        fwd=[1] * 4,
+        bwd=[1] * 4,
+        fwd_tmp=[0] * 4,
+        bwd_tmp=[0] * 4,
+        fb_tmp=[0] * 4,
+        shared=[jr.Shared(1, 3, 60)],
     )
     ops = [("Fck", 0), ("Fck", 1), ("Fck", 2), ("Fall", 3), ("Loss", 4), ("B", 3), ("FB", 2), ("FB", 1), ("FB", 0)]
 
@@ -97,11 +105,25 @@ def test_shared_values_count_once_and_held_bytes_until_their_backward():
     early = steps(dataclasses.replace(costs, held=[50, 0, 0, 0]))
     assert [e - p for e, p in zip(early, steps(costs))] == [50] * 8 + [0]  # until B 0
     with pytest.raises(ValueError, match="more than x"):
-        jr.ChainCosts(x=[0, 10, 10, 10], xbar=[10] * 3, fwd=[1] * 3, bwd=[1] * 3, fwd_tmp=[0] * 3, bwd_tmp=[0] * 3,
-                      shared=[jr.Shared(1, 3, 60)])
+        jr.ChainCosts(
+            x=[0, 10, 10, 10],
+            xbar=[10] * 3,
+            fwd=[1] * 3,
+            bwd=[1] * 3,
+            fwd_tmp=[0] * 3,
+            bwd_tmp=[0] * 3,
+            shared=[jr.Shared(1, 3, 60)],
+        )
     with pytest.raises(ValueError, match="spans a_0 .. a_2"):
-        jr.ChainCosts(x=[100] * 4, xbar=[100] * 3, fwd=[1] * 3, bwd=[1] * 3, fwd_tmp=[0] * 3, bwd_tmp=[0] * 3,
-                      shared=[jr.Shared(0, 2, 6)])
+        jr.ChainCosts(
+            x=[100] * 4,
+            xbar=[100] * 3,
+            fwd=[1] * 3,
+            bwd=[1] * 3,
+            fwd_tmp=[0] * 3,
+            bwd_tmp=[0] * 3,
+            shared=[jr.Shared(0, 2, 6)],
+        )
     with pytest.raises(ValueError, match="not modelled"):
         jr.simulate(costs, [("Fck", 0), ("Offload", 1, "a")] + ops[1:], bandwidth=1.0)
     held = dataclasses.replace(costs, held=[1, 2, 3, 4])

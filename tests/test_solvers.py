@@ -87,7 +87,11 @@ def test_sizes_that_round_to_zero_slots():
     # activations of 1 byte in slots of 4000 bytes: every size rounds up to one slot or is 0
     # (delta_0, the size of the 1 MB input, takes 250 slots)
     c = jr.ChainCosts(
-        x=[10**6, 1, 0, 1, 1], xbar=[1, 1, 0, 2], fwd=[1, 1, 1, 1], bwd=[2, 2, 2, 2], fwd_tmp=[0, 0, 0, 0],
+        x=[10**6, 1, 0, 1, 1],
+        xbar=[1, 1, 0, 2],
+        fwd=[1, 1, 1, 1],
+        bwd=[2, 2, 2, 2],
+        fwd_tmp=[0, 0, 0, 0],
         bwd_tmp=[0, 0, 0, 0],
     )
     s = jr.solve(c, 3 * 10**6)

@@ -8,6 +8,15 @@ from jaxremat.api.plans import Plan, PlanOptions, load_plan
 from jaxremat.api.remat_fn import RematFunction, remat
 
 __all__ = [
-    "Plan", "PlanOptions", "Planner", "RematChain", "RematFunction", "RematSequential", "load_plan", "plan", "remat",
-    "remat_chain", "remat_nnx",
+    "Plan",
+    "PlanOptions",
+    "Planner",
+    "RematChain",
+    "RematFunction",
+    "RematSequential",
+    "load_plan",
+    "plan",
+    "remat",
+    "remat_chain",
+    "remat_nnx",
 ]

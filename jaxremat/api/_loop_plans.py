@@ -47,7 +47,9 @@ def with_stacked_gradients(
     return stacked_gradients(costs, groups, weights), loop_budget_bytes(costs, groups, weights, budget)
 
 
-def loop_schedule(chain: Chain, variables: Any, costs: ChainCosts, budget: Budget, slots: int, max_period: int) -> Schedule:
+def loop_schedule(
+    chain: Chain, variables: Any, costs: ChainCosts, budget: Budget, slots: int, max_period: int
+) -> Schedule:
     """The fastest schedule that runs each Repeat layer as one loop over its stacked variables,
     with the loop's transients counted. When none fits, the optimal schedule with alike units
     grouped and the copies of the sliced parameters counted (the executor then warns);
@@ -62,7 +64,9 @@ def loop_schedule(chain: Chain, variables: Any, costs: ChainCosts, budget: Budge
     except InfeasibleBudget as e:
         least_loop = least_loop_peak(costs, groups, weights)
         raise InfeasibleBudget(
-            "optimal", target, min(least_loop, e.min_budget),
+            "optimal",
+            target,
+            min(least_loop, e.min_budget),
             note=f"a Repeat layer runs as one loop from {format_bytes(least_loop)}; below that its stacked "
             "parameters would be sliced, which copies them",
         ) from None
@@ -80,13 +84,17 @@ def calibrated_loop_schedule(
     candidates = loop_schedules(costs, groups, weights, max_period)
     measure = functools.partial(step_temp, chain, variables, sample, policies=policies)
     found = calibrated_pick(
-        candidates, loop_budget_bytes(costs, groups, weights, budget), measure,
+        candidates,
+        loop_budget_bytes(costs, groups, weights, budget),
+        measure,
         optimistic=lambda s: int(0.85 * simulate(costs, s.ops)[0]),
     )
     return None if found is None else found.schedule
 
 
-def loop_schedules(costs: ChainCosts, groups: list[LoopGroup], weights: list[int], max_period: int, steps: int = 16) -> list[Schedule]:
+def loop_schedules(
+    costs: ChainCosts, groups: list[LoopGroup], weights: list[int], max_period: int, steps: int = 16
+) -> list[Schedule]:
     """:func:`~jaxremat.solvers.periodic.periodic_schedules`, with shorter patterns and fewer
     selective loops when several Repeat layers make too many combinations."""
     for period, k in ((max_period, steps), (min(max_period, 2), 4), (1, 1)):
@@ -103,6 +111,10 @@ def least_loop_peak(costs: ChainCosts, groups: list[LoopGroup], weights: list[in
 
 
 __all__ = [
-    "calibrated_loop_schedule", "least_loop_peak", "loop_budget_bytes", "loop_schedule", "loop_schedules",
+    "calibrated_loop_schedule",
+    "least_loop_peak",
+    "loop_budget_bytes",
+    "loop_schedule",
+    "loop_schedules",
     "with_stacked_gradients",
 ]

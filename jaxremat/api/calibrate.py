@@ -35,7 +35,9 @@ def measured_loss(out: Any) -> jax.Array:
     return sum(jnp.mean(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(out))
 
 
-def training_step(forward: Callable[[list, Any], Any], per_stage: list) -> Callable[[list, Any], tuple[jax.Array, list]]:
+def training_step(
+    forward: Callable[[list, Any], Any], per_stage: list
+) -> Callable[[list, Any], tuple[jax.Array, list]]:
     """``step(params, x) -> (loss, grads)`` for a forward over per-stage variables; the loss is the
     mean square of the output (memory and time depend on what is kept, not on the loss)."""
     rest = [{k: v for k, v in u.items() if k != "params"} for u in per_stage]
@@ -77,7 +79,10 @@ def update_step(
 
 
 def compile_step(
-    forward: Callable[[list, Any], Any], per_stage: list, params: list, x: Any,
+    forward: Callable[[list, Any], Any],
+    per_stage: list,
+    params: list,
+    x: Any,
     optimizer: optax.GradientTransformation | None = None,
 ) -> Any:
     """The :func:`update_step` of ``forward``, compiled from shapes with the parameters and
@@ -170,7 +175,9 @@ def calibrated_solve(
         work, sched = step
     if best is None:
         raise InfeasibleBudget(
-            algorithm, target, min(g for _, _, g in log) if log else least,
+            algorithm,
+            target,
+            min(g for _, _, g in log) if log else least,
             note="measured by XLA: the least-memory schedule tried compiles to this much",
         )
     return Calibrated(best[0], best[1], tuple(log))

@@ -102,10 +102,17 @@ def remat_chain(budget: Budget, **options: Any) -> Callable[[Any], Any]:
             def __init__(self: RematChain, *args: Any, **kwargs: Any) -> None:
                 RematChain.__init__(self, cls(*args, **kwargs), budget, **options)
 
-            return type(cls.__name__, (RematChain,), {
-                "__init__": __init__, "__doc__": cls.__doc__, "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__, "__wrapped__": cls,
-            })
+            return type(
+                cls.__name__,
+                (RematChain,),
+                {
+                    "__init__": __init__,
+                    "__doc__": cls.__doc__,
+                    "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__,
+                    "__wrapped__": cls,
+                },
+            )
         return RematChain(model, budget, **options)
 
     return wrap

@@ -67,20 +67,38 @@ def warn_if_global(*trees: Any, budget: Budget = None) -> None:
             f"the arrays' shardings are not visible, so the plan would be for global shapes; {ways}; or give a share "
             "of the store-all peak ('50%'), which is the same per device"
         )
-    warnings.warn("jaxremat: planning inside jit, where the arrays' shardings are not visible, so the plan is "
-                  f"made for global shapes, not per device; {ways}", stacklevel=4)
+    warnings.warn(
+        "jaxremat: planning inside jit, where the arrays' shardings are not visible, so the plan is "
+        f"made for global shapes, not per device; {ways}",
+        stacklevel=4,
+    )
 
 
 def plan_options(method: str | None = None, profile: str | None = None, **options: Any) -> PlanOptions:
     """:class:`PlanOptions` from keyword arguments; ``profile=`` is the old name of ``method=``."""
     if profile is not None:
-        warnings.warn("jaxremat: profile= is now method= (the same name as in jaxremat.profile and the CLI)",
-                      DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            "jaxremat: profile= is now method= (the same name as in jaxremat.profile and the CLI)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         if method is not None and method != profile:
             raise ValueError(f"method={method!r} and profile={profile!r} disagree; give method= only")
         method = profile
-    unknown = sorted(set(options) - {"algorithm", "slots", "calibrate", "max_period", "policies", "bandwidth",
-                                     "loss", "verify", "profile_options"})
+    unknown = sorted(
+        set(options)
+        - {
+            "algorithm",
+            "slots",
+            "calibrate",
+            "max_period",
+            "policies",
+            "bandwidth",
+            "loss",
+            "verify",
+            "profile_options",
+        }
+    )
     if unknown:
         raise TypeError(
             f"unknown option(s) {', '.join(unknown)}; the options are algorithm, method, slots, calibrate, max_period, "
@@ -139,12 +157,26 @@ def plan(
             "peak); only a model from jaxremat.remat_chain(budget) has its own"
         )
     chain = model if isinstance(model, Chain) else Chain.from_linen(model)
-    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "loss", "verify",
-             "profile"}
+    known = {
+        "algorithm",
+        "method",
+        "slots",
+        "calibrate",
+        "max_period",
+        "policies",
+        "bandwidth",
+        "loss",
+        "verify",
+        "profile",
+    }
     profile_options = {k: v for k, v in options.items() if k not in known}
     return make_plan(
-        chain, variables, sample, budget,
-        plan_options(**{k: v for k, v in options.items() if k in known}, profile_options=profile_options), costs,
+        chain,
+        variables,
+        sample,
+        budget,
+        plan_options(**{k: v for k, v in options.items() if k in known}, profile_options=profile_options),
+        costs,
     )
 
 

@@ -88,7 +88,8 @@ class PlanOptions:
         if self.bandwidth is not None:
             if name not in OFFLOAD_ALGORITHMS:
                 raise ValueError(
-                    f"bandwidth is for algorithm='optimal_offload'; algorithm={self.algorithm!r} moves nothing to host memory"
+                    f"bandwidth is for algorithm='optimal_offload'; algorithm={self.algorithm!r} moves nothing to "
+                    "host memory"
                 )
             Bandwidth.of(self.bandwidth)
         if name in OFFLOAD_ALGORITHMS and self.bandwidth is None and jax.default_backend() == "cpu":
@@ -98,8 +99,10 @@ class PlanOptions:
                 "(to_host, to_device)) to plan as for an accelerator"
             )
         if self.calibrate and name in OFFLOAD_ALGORITHMS:
-            raise ValueError("calibrate=True measures memory on this machine; it does not plan offloading yet: "
-                             "calibrate a remat-only plan, or leave calibrate out")
+            raise ValueError(
+                "calibrate=True measures memory on this machine; it does not plan offloading yet: "
+                "calibrate a remat-only plan, or leave calibrate out"
+            )
         if self.verify is not None and not isinstance(self.verify, bool):
             raise ValueError(f"verify must be True, False or None (the default), got {self.verify!r}")
         if self.method not in ("measure", "xla"):
@@ -125,8 +128,10 @@ class SetupTime:
         return self.trace + self.profile + self.plan + self.verification
 
     def line(self) -> str:
-        return (f"  setup {self.total:.1f} s: trace {self.trace:.1f}, profile {self.profile:.1f}, "
-                f"plan {self.plan:.1f}, verification {self.verification:.1f}")
+        return (
+            f"  setup {self.total:.1f} s: trace {self.trace:.1f}, profile {self.profile:.1f}, "
+            f"plan {self.plan:.1f}, verification {self.verification:.1f}"
+        )
 
 
 @dataclass(frozen=True)
@@ -214,15 +219,25 @@ def load_plan(path: str | Path) -> Plan:
         )
     costs = ChainCosts.from_dict(d["costs"])
     schedule = Schedule.from_ops(
-        costs, [tuple(op) for op in d["ops"]], budget=d["budget"], algorithm=d["algorithm"], bandwidth=d.get("bandwidth"),
+        costs,
+        [tuple(op) for op in d["ops"]],
+        budget=d["budget"],
+        algorithm=d["algorithm"],
+        bandwidth=d.get("bandwidth"),
         blocks=tuple(Block(int(b), int(e), str(p)) for b, e, p in d.get("blocks", [])),
     )
     return Plan(schedule, d["signature"])
 
 
 def make_plan(
-    chain: Chain, variables: Any, sample: Any, budget: Budget, options: PlanOptions, costs: ChainCosts | None = None,
-    *, verified: bool = True,
+    chain: Chain,
+    variables: Any,
+    sample: Any,
+    budget: Budget,
+    options: PlanOptions,
+    costs: ChainCosts | None = None,
+    *,
+    verified: bool = True,
 ) -> Plan:
     """Profile ``chain`` (unless ``costs`` are given) and solve for ``budget`` under ``options``
     (what :func:`jaxremat.plan` does for a :class:`~jaxremat.Chain`). With ``options.verify``
@@ -231,8 +246,15 @@ def make_plan(
     loops, offloading (which the CPU cannot measure) and ``calibrate=True`` (measured already)
     are not."""
     if costs is None:
-        costs = profile(chain, variables, sample, method=options.method, policies=options.policies, loss=options.loss,
-                        **options.profile_options)
+        costs = profile(
+            chain,
+            variables,
+            sample,
+            method=options.method,
+            policies=options.policies,
+            loss=options.loss,
+            **options.profile_options,
+        )
     o = options
     if chain.stacked and canonical(o.algorithm) == "optimal":
         schedule = None
@@ -255,8 +277,14 @@ def make_plan(
             schedule = solve(costs, budget, algorithm=o.algorithm, slots=o.slots)
             if o.verify and verified:
                 target = None if budget is None else parse_budget(budget, costs)
-                schedule, found = verify(costs, target, schedule, chain_measure(chain, variables, sample, o.named_policies),
-                                         algorithm=o.algorithm, slots=o.slots)
+                schedule, found = verify(
+                    costs,
+                    target,
+                    schedule,
+                    chain_measure(chain, variables, sample, o.named_policies),
+                    algorithm=o.algorithm,
+                    slots=o.slots,
+                )
                 return Plan(schedule, signature(chain, variables, sample), found)
     return Plan(schedule, signature(chain, variables, sample))
 
@@ -265,6 +293,7 @@ def chain_measure(chain: Chain, variables: Any, sample: Any, policies: Any = Non
     """``measure(schedule)`` for :func:`~jaxremat.api.verify.verify`: the update step of
     ``chain`` under the schedule (:func:`~jaxremat.api.calibrate.compile_schedule_step`), its
     temp plus the input ``a_0`` (an argument of the step, which the plan counts)."""
+
     def measure(schedule: Schedule) -> Measured:
         compiled = compile_schedule_step(chain, variables, sample, schedule, policies)
         cost = compiled.cost_analysis()

@@ -104,7 +104,9 @@ def step_measure(
         shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_of(s)) for s in flat]
         d, o = [shapes[n] for n in diff], [shapes[n] for n in other]
         state = jax.eval_shape(opt.init, d)
-        compiled = jax.jit(as_planned(step), donate_argnums=(0, 1)).lower(d, state, o).compile(compiler_options() or None)
+        compiled = (
+            jax.jit(as_planned(step), donate_argnums=(0, 1)).lower(d, state, o).compile(compiler_options() or None)
+        )
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         return Measured(int(compiled.memory_analysis().temp_size_in_bytes), float((cost or {}).get("flops", 0.0)))
@@ -125,7 +127,11 @@ def with_shared(costs: ChainCosts, traced: JaxprChain) -> ChainCosts:
     made: dict[int, int] = {}
     for f, _, b, _ in sized:
         made[f - 1] = made.get(f - 1, 0) + b
-    fit = {i: min(1.0, min(costs.option(i, k).xbar for k in range(costs.option_count(i))) / b) for i, b in made.items() if b}
+    fit = {
+        i: min(1.0, min(costs.option(i, k).xbar for k in range(costs.option_count(i))) / b)
+        for i, b in made.items()
+        if b
+    }
     shared = [Shared(f, last, int(b * fit.get(f - 1, 1.0)), name) for f, last, b, name in sized]
     return dataclasses.replace(costs, shared=tuple(v for v in shared if v.nbytes))
 
@@ -133,8 +139,15 @@ def with_shared(costs: ChainCosts, traced: JaxprChain) -> ChainCosts:
 class RematFunction:
     """``fun`` whose gradient follows an optimal schedule within ``budget`` (see :func:`remat`)."""
 
-    def __init__(self, fun: Callable, budget: Budget, stages: Any, max_stages: int, options: PlanOptions,
-                 costs: dict[str, ChainCosts] | None = None):
+    def __init__(
+        self,
+        fun: Callable,
+        budget: Budget,
+        stages: Any,
+        max_stages: int,
+        options: PlanOptions,
+        costs: dict[str, ChainCosts] | None = None,
+    ):
         if not callable(fun):
             raise TypeError(f"jaxremat.remat needs a function, got {type(fun).__name__}")
         self.fun, self.budget, self.stages, self.max_stages, self.options = fun, budget, stages, max_stages, options
@@ -152,8 +165,16 @@ class RematFunction:
         static = {n: leaf for n, leaf in enumerate(leaves) if n not in dynamic}
         # per device or global: the layout is part of what is planned
         layout = [sharding_key(sharding_of(leaves[n])) for n in dynamic]
-        key = json.dumps([leaf_signature([leaves[n] for n in dynamic]), dynamic, str(tree), str(self.stages),
-                          repr(sorted(static.items())), layout])
+        key = json.dumps(
+            [
+                leaf_signature([leaves[n] for n in dynamic]),
+                dynamic,
+                str(tree),
+                str(self.stages),
+                repr(sorted(static.items())),
+                layout,
+            ]
+        )
         if key in self._prepared:
             return self._prepared[key]
         warn_if_global(args, budget=self.budget)
@@ -186,8 +207,14 @@ class RematFunction:
         costs = self._costs.get(key)
         if costs is None:
             with jax.ensure_compile_time_eval():
-                costs = profile(traced.chain, variables, (), method=self.options.method,
-                                policies=self.options.policies, **self.options.profile_options)
+                costs = profile(
+                    traced.chain,
+                    variables,
+                    (),
+                    method=self.options.method,
+                    policies=self.options.policies,
+                    **self.options.profile_options,
+                )
             x = np.array(costs.x)
             x[0] = traced.context_bytes  # held for the whole step, as a_0 is
             costs = with_shared(dataclasses.replace(costs, x=x), traced)
@@ -209,8 +236,9 @@ class RematFunction:
             names = ", ".join(traced.chain.stages[k].name for k in traced.user_remat)
             note += f"; your own jax.checkpoint / nn.remat kept as written inside stage(s) {names}"
         sched = plan.schedule
-        plan = dataclasses.replace(plan, schedule=dataclasses.replace(sched, note=f"{sched.note}; {note}" if sched.note else note),
-                                   setup=setup)
+        plan = dataclasses.replace(
+            plan, schedule=dataclasses.replace(sched, note=f"{sched.note}; {note}" if sched.note else note), setup=setup
+        )
         found = _Prepared(traced, plan, in_tree, out_tree, dynamic)
         self._prepared[key] = found
         return found
@@ -226,8 +254,15 @@ class RematFunction:
             return plan
         costs = plan.costs
         target = None if self.budget is None else parse_budget(self.budget, costs)
-        sched, found = verify(costs, target, plan.schedule, step_measure(traced, flat, first, o.named_policies),
-                              algorithm=o.algorithm, slots=o.slots, blocks=user_blocks(traced.chain, traced.cuts, costs))
+        sched, found = verify(
+            costs,
+            target,
+            plan.schedule,
+            step_measure(traced, flat, first, o.named_policies),
+            algorithm=o.algorithm,
+            slots=o.slots,
+            blocks=user_blocks(traced.chain, traced.cuts, costs),
+        )
         return Plan(sched, plan.signature, found)
 
     def plan(self, *args: Any) -> Plan:
@@ -243,8 +278,9 @@ class RematFunction:
         return jax.tree.unflatten(prepared.out_tree, list(out))
 
 
-def remat(fun: Any = None, budget: Budget = UNSET, *, stages: Any = "auto", max_stages: int = MAX_STAGES,
-          **options: Any) -> Any:
+def remat(
+    fun: Any = None, budget: Budget = UNSET, *, stages: Any = "auto", max_stages: int = MAX_STAGES, **options: Any
+) -> Any:
     """``fun`` with an optimal rematerialisation schedule within ``budget``.
 
     Args:
@@ -292,11 +328,14 @@ def remat(fun: Any = None, budget: Budget = UNSET, *, stages: Any = "auto", max_
     unknown = sorted(set(options) - known - set(PROFILE_KEYWORDS))
     if unknown:
         raise TypeError(
-            f"jaxremat.remat: unknown option(s) {', '.join(unknown)}; the options are {', '.join(sorted(known - {'profile'}))}, "
+            f"jaxremat.remat: unknown option(s) {', '.join(unknown)}; the options are "
+            f"{', '.join(sorted(known - {'profile'}))}, "
             f"and for the profiler {', '.join(PROFILE_KEYWORDS)}"
         )
-    opts = plan_options(**{k: v for k, v in options.items() if k in known},
-                        profile_options={k: v for k, v in options.items() if k not in known})
+    opts = plan_options(
+        **{k: v for k, v in options.items() if k in known},
+        profile_options={k: v for k, v in options.items() if k not in known},
+    )
     if opts.calibrate:
         raise ValueError("jaxremat.remat does not calibrate yet; plan from the cost model, or use remat_chain")
     if fun is None:

@@ -119,7 +119,9 @@ def hand_strategies(costs: ChainCosts, blocks: Sequence[tuple[int, int]] = ()) -
     L = costs.length
     found = {"every stage checkpointed": HandStrategy(tuple(baselines.every_stage(L)))}
     for k in range(2, min(4, L - 1) + 1):
-        found[f"every {k} stages checkpointed"] = HandStrategy(tuple(baselines.segments(L, list(range(_phase(costs, k), L, k)))))
+        found[f"every {k} stages checkpointed"] = HandStrategy(
+            tuple(baselines.segments(L, list(range(_phase(costs, k), L, k))))
+        )
     if blocks:
         starts = sorted({b for b, _ in blocks} | {e for _, e in blocks if e < L})
         found["every block checkpointed"] = HandStrategy(tuple(baselines.segments(L, starts)))
@@ -132,7 +134,9 @@ def hand_strategies(costs: ChainCosts, blocks: Sequence[tuple[int, int]] = ()) -
             ks = [k for k in range(costs.option_count(i)) if costs.option(i, k).name == name]
             # an option dropped as dominated: the one that beat it keeps no more
             picks.append(ks[0] if ks else min(range(costs.option_count(i)), key=lambda k: costs.option(i, k).xbar))
-        found[f"every stage under {name}"] = HandStrategy(tuple([Op(OpKind.FALL, i, k) for i, k in enumerate(picks)] + tail))
+        found[f"every stage under {name}"] = HandStrategy(
+            tuple([Op(OpKind.FALL, i, k) for i, k in enumerate(picks)] + tail)
+        )
         if blocks:
             under = tuple(Block(b, e, name) for b, e in blocks)
             inside = {i for b, e in blocks for i in range(b, e)}
@@ -179,8 +183,9 @@ def verify(
     if not fits:
         # calibrated_solve adds a_0 to what measure gives it; our peak holds it already
         try:
-            cal = calibrated_solve(costs, target, lambda s: measured(s).peak - x0, algorithm=algorithm, slots=slots,
-                                   tries=tries + 1)
+            cal = calibrated_solve(
+                costs, target, lambda s: measured(s).peak - x0, algorithm=algorithm, slots=slots, tries=tries + 1
+            )
             schedule, chosen, fits = cal.schedule, "corrected plan", True
             got = measured(schedule)
         except InfeasibleBudget:
@@ -231,13 +236,21 @@ def verify(
     if not fits:
         least = min(m.peak for m in seen.values())
         raise InfeasibleBudget(
-            algorithm, target, least,
+            algorithm,
+            target,
+            least,
             note=f"measured by XLA: the least memory of the {len(seen)} schedules compiled "
             "(the plan, its corrections and the hand strategies that might fit)",
         )
     verification = Verification(
-        budget=schedule.peak if target is None else target, predicted_peak=schedule.peak, measured_peak=got.peak, flops=got.flops,
-        corrections=corrections, compiles=len(seen), seconds=time.perf_counter() - start, chosen=chosen,
+        budget=schedule.peak if target is None else target,
+        predicted_peak=schedule.peak,
+        measured_peak=got.peak,
+        flops=got.flops,
+        corrections=corrections,
+        compiles=len(seen),
+        seconds=time.perf_counter() - start,
+        chosen=chosen,
         hand=tuple(checks),
     )
     return (schedule if target is None else dataclasses.replace(schedule, budget=target)), verification

@@ -162,9 +162,7 @@ def _in_enclosing_jit() -> bool:
 
 def remat_is_kept() -> bool:
     """Whether the step being traced now will be compiled so that XLA keeps its remat."""
-    return (
-        jax.default_backend() != "cpu" or _UNDER_PLANNED_TRACE.get() or _in_xla_flags() or _in_enclosing_jit()
-    )
+    return jax.default_backend() != "cpu" or _UNDER_PLANNED_TRACE.get() or _in_xla_flags() or _in_enclosing_jit()
 
 
 def warn_unless_planned(stacklevel: int = 3) -> None:
@@ -184,6 +182,12 @@ def warn_unless_planned(stacklevel: int = 3) -> None:
 
 
 __all__ = [
-    "REMAT_OPTIONS", "argument_sharding", "as_planned", "barriers_survive", "compiler_options", "jit", "remat_is_kept",
+    "REMAT_OPTIONS",
+    "argument_sharding",
+    "as_planned",
+    "barriers_survive",
+    "compiler_options",
+    "jit",
+    "remat_is_kept",
     "warn_unless_planned",
 ]

@@ -156,8 +156,11 @@ def add_transients(costs: ChainCosts, fwd_add: np.ndarray, bwd_add: np.ndarray) 
             for i, per in enumerate(costs.options)
         )
     return dataclasses.replace(
-        costs, fwd_tmp=costs.fwd_tmp + fwd_add, bwd_tmp=costs.bwd_tmp + bwd_add,
-        fb_tmp=costs.fb_tmp + np.maximum(fwd_add, bwd_add), options=options,
+        costs,
+        fwd_tmp=costs.fwd_tmp + fwd_add,
+        bwd_tmp=costs.bwd_tmp + bwd_add,
+        fb_tmp=costs.fb_tmp + np.maximum(fwd_add, bwd_add),
+        options=options,
     )
 
 
@@ -172,7 +175,20 @@ def copy_costs(costs: ChainCosts, groups: Sequence[LoopGroup], param_bytes: Sequ
 
 
 __all__ = [
-    "MAX_PERIOD", "PATTERN_LOOP_UP_TO", "STORE", "REGION", "LoopGroup", "Part", "add_transients", "as_pattern",
-    "compile_rank", "copy_costs", "loop_store_all_peak", "stacked_gradients",
-    "is_selective", "loop_costs", "period", "runs_selective",
+    "MAX_PERIOD",
+    "PATTERN_LOOP_UP_TO",
+    "STORE",
+    "REGION",
+    "LoopGroup",
+    "Part",
+    "add_transients",
+    "as_pattern",
+    "compile_rank",
+    "copy_costs",
+    "loop_store_all_peak",
+    "stacked_gradients",
+    "is_selective",
+    "loop_costs",
+    "period",
+    "runs_selective",
 ]

@@ -44,7 +44,9 @@ class Op(tuple):
         kind, stage = OpKind(kind), int(stage)
         if kind in TRANSFER_KINDS:
             if option not in BUFFERS:
-                raise ValueError(f"({kind.value!r}, {stage}, {option!r}): a transfer moves 'a' (a_i) or 'abar' (the bundle abar_i)")
+                raise ValueError(
+                    f"({kind.value!r}, {stage}, {option!r}): a transfer moves 'a' (a_i) or 'abar' (the bundle abar_i)"
+                )
             return tuple.__new__(cls, (kind, stage, option))
         if isinstance(option, str):
             raise ValueError(f"({kind.value!r}, {stage}, {option!r}): only 'Offload' and 'Prefetch' name a buffer")
@@ -89,7 +91,9 @@ class Op(tuple):
             if len(rest) > 1:
                 raise ValueError
         except (TypeError, ValueError):
-            raise ValueError(f"op #{position} {op!r} is not a (kind, stage) pair or a (kind, stage, option) triple") from None
+            raise ValueError(
+                f"op #{position} {op!r} is not a (kind, stage) pair or a (kind, stage, option) triple"
+            ) from None
         try:
             kind = OpKind(str(kind))
         except ValueError:
@@ -111,7 +115,9 @@ def store_all_ops(L: int, options: Sequence[int] | None = None) -> list[Op]:
     ``None``: all of them whole), then the backward."""
     ks = options or [0] * L
     return (
-        [Op(OpKind.FALL, i, ks[i]) for i in range(L)] + [Op(OpKind.LOSS, L)] + [Op(OpKind.B, i) for i in reversed(range(L))]
+        [Op(OpKind.FALL, i, ks[i]) for i in range(L)]
+        + [Op(OpKind.LOSS, L)]
+        + [Op(OpKind.B, i) for i in reversed(range(L))]
     )
 
 

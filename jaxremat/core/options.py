@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+
 def check_options(value: Any, n: int) -> tuple[tuple["StageOption", ...], ...] | None:
     """``ChainCosts.options`` checked: ``None``, or per stage a sequence of options."""
     if value is None:
@@ -13,16 +14,25 @@ def check_options(value: Any, n: int) -> tuple[tuple["StageOption", ...], ...] |
     try:
         per_stage = list(value)
     except TypeError:
-        raise ValueError(f"ChainCosts.options must be None or one sequence of StageOption per stage, got {value!r}") from None
+        raise ValueError(
+            f"ChainCosts.options must be None or one sequence of StageOption per stage, got {value!r}"
+        ) from None
     if len(per_stage) != n:
-        raise ValueError(f"ChainCosts.options has {len(per_stage)} entries; expected L = {n} (one tuple of options per stage)")
+        raise ValueError(
+            f"ChainCosts.options has {len(per_stage)} entries; expected L = {n} (one tuple of options per stage)"
+        )
     out = []
     for i, options in enumerate(per_stage):
         if options is None:
             options = ()
         if isinstance(options, (str, StageOption, dict)):
-            raise ValueError(f"ChainCosts.options[{i}] must be a sequence of StageOption (one stage's options), got {options!r}")
-        got = tuple(StageOption.of(o, f"ChainCosts.options[{i}][{k}] (stage {i}, option {k + 1})") for k, o in enumerate(options))
+            raise ValueError(
+                f"ChainCosts.options[{i}] must be a sequence of StageOption (one stage's options), got {options!r}"
+            )
+        got = tuple(
+            StageOption.of(o, f"ChainCosts.options[{i}][{k}] (stage {i}, option {k + 1})")
+            for k, o in enumerate(options)
+        )
         names = [o.name for o in got]
         if len(set(names)) != len(names):
             raise ValueError(f"ChainCosts.options[{i}] names a policy twice: {names}")
@@ -70,7 +80,9 @@ class StageOption:
                 f"{where} must be a jaxremat.StageOption(name, xbar, bwd, bwd_tmp), got {value!r}"
             ) from None
         if not isinstance(name, str) or not name or name == STORE_ALL:
-            raise ValueError(f"{where}.name must be a policy name (a non-empty string other than {STORE_ALL!r}), got {name!r}")
+            raise ValueError(
+                f"{where}.name must be a policy name (a non-empty string other than {STORE_ALL!r}), got {name!r}"
+            )
         checked = []
         for field, v in (("xbar", xbar), ("bwd", bwd), ("bwd_tmp", bwd_tmp), ("unread", unread)):
             try:
@@ -82,8 +94,10 @@ class StageOption:
                 raise ValueError(f"{where}.{field} = {v!r}; it must be {what}")
             checked.append(f if field == "bwd" else int(f))
         if checked[3] > checked[0]:
-            raise ValueError(f"{where}.unread = {checked[3]} is more than its xbar ({checked[0]}): the output bytes "
-                             "the backward does not read are part of the bundle")
+            raise ValueError(
+                f"{where}.unread = {checked[3]} is more than its xbar ({checked[0]}): the output bytes "
+                "the backward does not read are part of the bundle"
+            )
         return cls(name, *checked[:3], None if flops is None else float(flops), checked[3])
 
     @property

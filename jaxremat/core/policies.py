@@ -35,7 +35,9 @@ def check_policy(name: str, policy: Any) -> Policy:
     try:
         answer = policy(lax.sin_p)
     except Exception as e:  # noqa: BLE001 - reported with the policy's name
-        raise ValueError(f"policy {name!r} is not a jax.checkpoint policy: calling it on a primitive failed ({e})") from None
+        raise ValueError(
+            f"policy {name!r} is not a jax.checkpoint policy: calling it on a primitive failed ({e})"
+        ) from None
     if callable(answer):
         raise ValueError(
             f"policy {name!r} returned a function when asked about a primitive: it looks like a policy factory "

@@ -95,8 +95,15 @@ class Schedule:
 
     @classmethod
     def from_ops(
-        cls, costs: ChainCosts, ops, *, budget: int | None, algorithm: str, note: str = "",
-        bandwidth: BandwidthLike | None = None, blocks: tuple[Block, ...] = (),
+        cls,
+        costs: ChainCosts,
+        ops,
+        *,
+        budget: int | None,
+        algorithm: str,
+        note: str = "",
+        bandwidth: BandwidthLike | None = None,
+        blocks: tuple[Block, ...] = (),
     ) -> "Schedule":
         """Build a schedule, replaying ``ops`` for its exact peak and time (``bandwidth`` for
         ``Offload`` and ``Prefetch`` ops). With ``blocks``, the peak is that of the stages run
@@ -109,10 +116,20 @@ class Schedule:
         stored = {op.stage for op in ops if op.kind is OpKind.FALL}
         for b in blocks:
             if not 0 <= b.start < b.stop <= costs.length or not stored.issuperset(range(b.start, b.stop)):
-                raise ValueError(f"{b}: a block is a run of stages that the schedule stores, within 0 .. {costs.length}")
+                raise ValueError(
+                    f"{b}: a block is a run of stages that the schedule stores, within 0 .. {costs.length}"
+                )
         return cls(
-            ops=ops, time=r.time, peak=r.peak, budget=budget, algorithm=algorithm, costs=costs, note=note,
-            host_peak=r.host_peak, bandwidth=bw, blocks=blocks,
+            ops=ops,
+            time=r.time,
+            peak=r.peak,
+            budget=budget,
+            algorithm=algorithm,
+            costs=costs,
+            note=note,
+            host_peak=r.host_peak,
+            bandwidth=bw,
+            blocks=blocks,
         )
 
     @property

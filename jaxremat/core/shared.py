@@ -52,7 +52,9 @@ def check_shared(value: Any, x: np.ndarray) -> tuple[Shared, ...]:
     try:
         items = list(value or ())
     except TypeError:
-        raise ValueError(f"ChainCosts.shared must be a sequence of Shared(first, last, nbytes), got {value!r}") from None
+        raise ValueError(
+            f"ChainCosts.shared must be a sequence of Shared(first, last, nbytes), got {value!r}"
+        ) from None
     L = len(x) - 1
     out = tuple(Shared.of(v, f"ChainCosts.shared[{n}]") for n, v in enumerate(items))
     per_activation = np.zeros(L + 1, np.int64)
@@ -67,7 +69,8 @@ def check_shared(value: Any, x: np.ndarray) -> tuple[Shared, ...]:
     if len(over):
         k = int(over[0])
         raise ValueError(
-            f"ChainCosts.shared: the values shared by a_{k} add up to {per_activation[k]} bytes, more than x[{k}] = {x[k]} "
+            f"ChainCosts.shared: the values shared by a_{k} add up to {per_activation[k]} bytes, more than x[{k}] = "
+            f"{x[k]} "
             "(x counts every value of the activation, shared ones included)"
         )
     return out

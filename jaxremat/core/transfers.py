@@ -26,9 +26,7 @@ class Bandwidth:
         for name in ("to_host", "to_device"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(
-                    f"bandwidth {name} must be a finite number of bytes per time unit > 0, got {v!r}"
-                )
+                raise ValueError(f"bandwidth {name} must be a finite number of bytes per time unit > 0, got {v!r}")
 
     @classmethod
     def of(cls, bandwidth: BandwidthLike, *, what: str = "bandwidth") -> "Bandwidth":
@@ -38,7 +36,9 @@ class Bandwidth:
             return bandwidth
         if isinstance(bandwidth, (tuple, list)):
             if len(bandwidth) != 2:
-                raise ValueError(f"{what} as a pair is (to_host, to_device), got {len(bandwidth)} values: {bandwidth!r}")
+                raise ValueError(
+                    f"{what} as a pair is (to_host, to_device), got {len(bandwidth)} values: {bandwidth!r}"
+                )
             pair = tuple(bandwidth)
         elif isinstance(bandwidth, (int, float)) and not isinstance(bandwidth, bool):
             pair = (bandwidth, bandwidth)

@@ -238,8 +238,19 @@ def to_ops(node: Node, L: int) -> list[Op]:
 
 
 __all__ = [
-    "Leaf", "Node", "Region", "RegionUnit", "Store", "StoreUnit", "Unit", "build", "offloads_in", "parse",
-    "parse_offloads", "shape",
-    "shift", "to_ops",
+    "Leaf",
+    "Node",
+    "Region",
+    "RegionUnit",
+    "Store",
+    "StoreUnit",
+    "Unit",
+    "build",
+    "offloads_in",
+    "parse",
+    "parse_offloads",
+    "shape",
+    "shift",
+    "to_ops",
     "units",
 ]

@@ -48,9 +48,7 @@ def parse_bytes(value: int | float | str) -> int:
             raise ValueError(f"cannot read a byte size from {value!r}; expected {BUDGET_FORMS}")
         n = int(math.floor(float(match.group(1)) * _UNITS[unit]))
     else:
-        raise ValueError(
-            f"cannot read a byte size from {type(value).__name__} {value!r}; expected {BUDGET_FORMS}"
-        )
+        raise ValueError(f"cannot read a byte size from {type(value).__name__} {value!r}; expected {BUDGET_FORMS}")
     if n < 0:
         raise ValueError(f"a byte size must be >= 0, got {value!r}")
     return n

@@ -110,9 +110,7 @@ class Chain:
         return [{"params": p} for _, p in pairs]
 
     @classmethod
-    def from_linen(
-        cls, modules: Any, *, mutable: Sequence[str] = (), rng_streams: Sequence[str] = ()
-    ) -> "Chain":
+    def from_linen(cls, modules: Any, *, mutable: Sequence[str] = (), rng_streams: Sequence[str] = ()) -> "Chain":
         """Stages from a list of Flax linen modules or an ``nn.Sequential``.
 
         Args:
@@ -151,7 +149,9 @@ class Chain:
             if len(variables) != n:
                 raise ValueError(f"expected {n} per-layer variable dicts, got {len(variables)}")
             return [dict(v) for v in variables]
-        return [{col: tree[f"layers_{k}"] for col, tree in variables.items() if f"layers_{k}" in tree} for k in range(n)]
+        return [
+            {col: tree[f"layers_{k}"] for col, tree in variables.items() if f"layers_{k}" in tree} for k in range(n)
+        ]
 
     def from_layer_variables(self, per_layer: Sequence[Variables]) -> Any:
         """The inverse of :meth:`layer_variables`."""
@@ -171,7 +171,10 @@ class Chain:
             if g is None:
                 out.append(v)
             else:
-                out += [{col: jax.tree.map(lambda t, j=j: t[j], tree[BODY]) for col, tree in v.items()} for j in range(g.length)]
+                out += [
+                    {col: jax.tree.map(lambda t, j=j: t[j], tree[BODY]) for col, tree in v.items()}
+                    for j in range(g.length)
+                ]
         return out
 
     def merge(self, per_stage: Sequence[Variables]) -> Any:
@@ -183,7 +186,10 @@ class Chain:
             else:
                 copies = per_stage[i : i + g.length]
                 per_layer.append(
-                    {col: {BODY: jax.tree.map(lambda *xs: jnp.stack(xs), *[c[col] for c in copies])} for col in copies[0]}
+                    {
+                        col: {BODY: jax.tree.map(lambda *xs: jnp.stack(xs), *[c[col] for c in copies])}
+                        for col in copies[0]
+                    }
                 )
         return self.from_layer_variables(per_layer)
 

@@ -46,7 +46,7 @@ class Cuts:
         """How deep in the Flax module scopes the stages were cut; ``None`` if not by scopes."""
         if not self.how.startswith(BY_SCOPE):
             return None
-        return int(self.how[len(BY_SCOPE):].split(";")[0])
+        return int(self.how[len(BY_SCOPE) :].split(";")[0])
 
 
 def _nbytes(v: Any) -> int:
@@ -252,8 +252,7 @@ def with_loss_stage(jaxpr: Any, cuts: Cuts, max_stages: int) -> Cuts:
     out = sum(_nbytes(v) for v in jaxpr.outvars if _is_var(v) and _inexact(v))
     if at <= cuts.bounds[-2] or out >= cb[at]:
         return cuts
-    return Cuts(cuts.bounds[:-1] + (at, len(eqns)), f"{cuts.how}; the loss a stage of its own",
-                cuts.names + ("loss",))
+    return Cuts(cuts.bounds[:-1] + (at, len(eqns)), f"{cuts.how}; the loss a stage of its own", cuts.names + ("loss",))
 
 
 def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES) -> Cuts:
@@ -268,7 +267,9 @@ def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES) ->
     eqns = jaxpr.eqns
     depth_max = max((len([p for p in _stack(e).split("/") if p]) for e in eqns), default=0)
     if isinstance(stages, bool) or not isinstance(stages, (int, str)):
-        raise ValueError(f"stages must be 'auto', 'names', 'bytes', a module-scope depth (int) or a regex; got {stages!r}")
+        raise ValueError(
+            f"stages must be 'auto', 'names', 'bytes', a module-scope depth (int) or a regex; got {stages!r}"
+        )
     if isinstance(stages, int):
         found = scope_cuts(eqns, stages)
         what = f"module scope depth {stages} (the deepest module path here has {depth_max} levels)"

@@ -44,7 +44,14 @@ from jax.extend import core as jcore
 
 from jaxremat.model.chain import Chain
 from jaxremat.model.cuts import (  # noqa: F401 - find_cuts, crossing_bytes: part of this module's API
-    MAX_STAGES, REMAT_PRIMITIVES, Cuts, _inexact, _is_var, _nbytes, crossing_bytes, find_cuts,
+    MAX_STAGES,
+    REMAT_PRIMITIVES,
+    Cuts,
+    _inexact,
+    _is_var,
+    _nbytes,
+    crossing_bytes,
+    find_cuts,
 )
 from jaxremat.model.identity import function_key
 from jaxremat.model.stage import Stage
@@ -94,8 +101,12 @@ def stage_digest(p: StagePlan, invars: Sequence[Any]) -> str:
     (Python's ``hash`` of a string changes with each process, so a disk cache keyed by it never
     hit in a new one.)"""
     names: dict[Any, str] = {}
-    groups = (("p", [invars[j] for j in p.params]), ("in", [invars[j] for j in p.inputs]), ("c", p.context),
-              ("a", p.acts_in))
+    groups = (
+        ("p", [invars[j] for j in p.params]),
+        ("in", [invars[j] for j in p.inputs]),
+        ("c", p.context),
+        ("a", p.acts_in),
+    )
     for group, vs in groups:
         for n, v in enumerate(vs):
             names[v] = f"{group}{n}"
@@ -165,14 +176,14 @@ class JaxprChain:
             params = tuple(sorted(pos[v] for v in reads if v in pos and _inexact(v)))
             inputs = tuple(sorted(pos[v] for v in reads if v in pos and not _inexact(v)))
             context = tuple(v for v in made if v in reads and stage_of[v] < k and v in nograd)
-            acts = tuple(
-                v for v in made if stage_of[v] < k and v not in nograd and max(used_by.get(v, {-1})) >= k
-            )
+            acts = tuple(v for v in made if stage_of[v] < k and v not in nograd and max(used_by.get(v, {-1})) >= k)
             plans.append(StagePlan(sl, params, inputs, context, acts, ()))
             self.context_vars += [v for v in context if v not in self.context_vars]
         for k in range(L):
             nxt = plans[k + 1].acts_in if k + 1 < L else tuple(jaxpr.outvars)
-            plans[k] = StagePlan(plans[k].eqns, plans[k].params, plans[k].inputs, plans[k].context, plans[k].acts_in, nxt)
+            plans[k] = StagePlan(
+                plans[k].eqns, plans[k].params, plans[k].inputs, plans[k].context, plans[k].acts_in, nxt
+            )
         self.plans = plans
         # the prologue: the equations the context values need, in order
         need = set(self.context_vars)
@@ -206,7 +217,12 @@ class JaxprChain:
             return tuple(read(v) for v in p.outs), {}
 
         name = self.cuts.names[k]
-        return Stage(f"{k}:{name}", name.split("/")[-1] or "stage", apply, key=function_key(apply) + ":" + stage_digest(p, self.invars))
+        return Stage(
+            f"{k}:{name}",
+            name.split("/")[-1] or "stage",
+            apply,
+            key=function_key(apply) + ":" + stage_digest(p, self.invars),
+        )
 
     def variables(self, flat: Sequence[Any]) -> list[dict]:
         """Each stage's variables from ``fun``'s flat inputs (the prologue runs here)."""
@@ -214,8 +230,11 @@ class JaxprChain:
         env.update(zip(self.invars, flat))
         _evaluate(self.prologue, env)
         return [
-            {"params": tuple(flat[j] for j in p.params), "inputs": tuple(flat[j] for j in p.inputs),
-             "context": tuple(env[v] for v in p.context)}
+            {
+                "params": tuple(flat[j] for j in p.params),
+                "inputs": tuple(flat[j] for j in p.inputs),
+                "context": tuple(env[v] for v in p.context),
+            }
             for p in self.plans
         ]
 
@@ -224,7 +243,11 @@ class JaxprChain:
         shardings kept for the parameters and inputs)."""
         context = jax.eval_shape(lambda flat: [v["context"] for v in self.variables(flat)], list(flat))
         return [
-            {"params": tuple(flat[j] for j in p.params), "inputs": tuple(flat[j] for j in p.inputs), "context": tuple(c)}
+            {
+                "params": tuple(flat[j] for j in p.params),
+                "inputs": tuple(flat[j] for j in p.inputs),
+                "context": tuple(c),
+            }
             for p, c in zip(self.plans, context)
         ]
 

@@ -25,7 +25,9 @@ def linen_stage(name: str, module: Any, mutable: Sequence[str], rng_streams: Seq
 
     if not isinstance(module, nn.Module):  # a plain function inside nn.Sequential (nn.relu, ...)
         fn = module
-        return Stage(name, getattr(fn, "__name__", type(fn).__name__), lambda v, a, rngs: (fn(a), {}), key=function_key(fn))
+        return Stage(
+            name, getattr(fn, "__name__", type(fn).__name__), lambda v, a, rngs: (fn(a), {}), key=function_key(fn)
+        )
 
     def apply(variables: Variables, a: Any, rngs: Rngs) -> tuple[Any, Variables]:
         if mutable:
@@ -54,7 +56,9 @@ def linen_layers(modules: Any) -> tuple[list[Any], bool]:
     return layers, sequential
 
 
-def repeat_stages(k: int, first: int, m: Repeat, mutable: Sequence[str], rng_streams: Sequence[str]) -> tuple[Stage, list[Stage]]:
+def repeat_stages(
+    k: int, first: int, m: Repeat, mutable: Sequence[str], rng_streams: Sequence[str]
+) -> tuple[Stage, list[Stage]]:
     """A Repeat layer (model layer ``k``, first stage ``first``): the stage that inits its
     stacked variables, and one stage per copy of its block."""
     whole = linen_stage(f"{k}:{label(m)}", m, mutable, rng_streams)

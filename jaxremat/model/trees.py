@@ -71,8 +71,9 @@ def is_sharded(tree: Any) -> bool:
 
 def mesh_devices(tree: Any) -> int:
     """The most devices any leaf of ``tree`` is laid out over (1 on one device)."""
-    return max([sharding_of(leaf).num_devices for leaf in jax.tree.leaves(tree) if sharding_of(leaf) is not None],
-               default=1)
+    return max(
+        [sharding_of(leaf).num_devices for leaf in jax.tree.leaves(tree) if sharding_of(leaf) is not None], default=1
+    )
 
 
 def abstract(tree: Any) -> Any:
@@ -126,4 +127,17 @@ def check_leaves(tree: Any, what: str) -> None:
             )
 
 
-__all__ = ["itemsize", "abstract", "all_floating", "mesh_devices", "check_leaves", "describe", "is_sharded", "is_traced", "sharding_key", "sharding_of", "tree_bytes", "with_shardings"]
+__all__ = [
+    "itemsize",
+    "abstract",
+    "all_floating",
+    "mesh_devices",
+    "check_leaves",
+    "describe",
+    "is_sharded",
+    "is_traced",
+    "sharding_key",
+    "sharding_of",
+    "tree_bytes",
+    "with_shardings",
+]

@@ -97,10 +97,20 @@ def profile_stages(
     with _progress(len(chain), quiet) as advance:
         for i, (st, v) in enumerate(zip(chain.stages, per_stage)):
             key = disk_cache.make_key(
-                "stage", PROFILE_VERSION, i == 0, scanned[i], stage_identity(st, v, shapes[i]), method,
-                None if rates is None else dataclasses.asdict(rates), repeats if method == "measure" else 0,
-                jax.default_backend(), jax.__version__, policy_keys,
-                [str(sharding_of(leaf)) for leaf in jax.tree.leaves((v, shapes[i]))] if is_sharded((v, shapes[i])) else None,
+                "stage",
+                PROFILE_VERSION,
+                i == 0,
+                scanned[i],
+                stage_identity(st, v, shapes[i]),
+                method,
+                None if rates is None else dataclasses.asdict(rates),
+                repeats if method == "measure" else 0,
+                jax.default_backend(),
+                jax.__version__,
+                policy_keys,
+                [str(sharding_of(leaf)) for leaf in jax.tree.leaves((v, shapes[i]))]
+                if is_sharded((v, shapes[i]))
+                else None,
                 closure_key(loss) if i == last and loss is not None else None,
             )
             keys.append(key)
@@ -114,8 +124,16 @@ def profile_stages(
                         prof = None
             if prof is None:
                 prof, timer = profile_stage(
-                    st, v, shapes[i], method=method, rates=rates, repeats=repeats, input_grad=i > 0, scanned=scanned[i],
-                    policies=measured, loss=loss if i == last else None,
+                    st,
+                    v,
+                    shapes[i],
+                    method=method,
+                    rates=rates,
+                    repeats=repeats,
+                    input_grad=i > 0,
+                    scanned=scanned[i],
+                    policies=measured,
+                    loss=loss if i == last else None,
                 )
                 if timer is not None:  # stored once timed
                     timed[key] = timer
@@ -143,9 +161,21 @@ def profile_stages(
         stages[-1] = dataclasses.replace(stages[-1], unread=0, options=last_opts)
     # ChainCosts field <- StageProfile field, per stage
     fields = dict(
-        xbar="xbar", fwd="fwd_time", bwd="bwd_time", fwd_tmp="fwd_tmp", bwd_tmp="bwd_tmp", names="name",
-        fwd_flops="fwd_flops", bwd_flops="bwd_flops", fwd_bytes="fwd_bytes", bwd_bytes="bwd_bytes", fb="fb_time",
-        fb_flops="fb_flops", fb_tmp="fb_tmp", fb_reuse="fb_reuse", unread="unread",
+        xbar="xbar",
+        fwd="fwd_time",
+        bwd="bwd_time",
+        fwd_tmp="fwd_tmp",
+        bwd_tmp="bwd_tmp",
+        names="name",
+        fwd_flops="fwd_flops",
+        bwd_flops="bwd_flops",
+        fwd_bytes="fwd_bytes",
+        bwd_bytes="bwd_bytes",
+        fb="fb_time",
+        fb_flops="fb_flops",
+        fb_tmp="fb_tmp",
+        fb_reuse="fb_reuse",
+        unread="unread",
     )
     costs = ChainCosts(
         x=[tree_bytes(s) for s in shapes],
@@ -177,10 +207,14 @@ def useful_options(p: StageProfile) -> tuple[StageOption, ...]:
     def beaten(k: int) -> bool:
         o = every[k]
         return any(
-            q.xbar <= o.xbar and q.bwd <= o.bwd and q.bwd_tmp <= o.bwd_tmp and q.bwd_need <= o.bwd_need
+            q.xbar <= o.xbar
+            and q.bwd <= o.bwd
+            and q.bwd_tmp <= o.bwd_tmp
+            and q.bwd_need <= o.bwd_need
             and no_more_flops(q, o)
             and (j < k or (q.xbar, q.bwd, q.bwd_need) != (o.xbar, o.bwd, o.bwd_need))
-            for j, q in enumerate(every) if j != k
+            for j, q in enumerate(every)
+            if j != k
         )
 
     return tuple(o for k, o in enumerate(every) if k > 0 and not beaten(k))
@@ -200,12 +234,34 @@ def profile(chain: Chain, variables: Any, sample: Any, **options: Any) -> ChainC
 
 def report(stages: list[StageProfile]) -> str:
     """A table of the profile: per stage name, module type, output shape, sizes, temps and times."""
-    head = ("stage", "type", "output", "x", "xbar", "fwd_tmp", "bwd_tmp", "fwd ms", "bwd ms", "FB ms", "FB tmp", "options: xbar / bwd ms")
+    head = (
+        "stage",
+        "type",
+        "output",
+        "x",
+        "xbar",
+        "fwd_tmp",
+        "bwd_tmp",
+        "fwd ms",
+        "bwd ms",
+        "FB ms",
+        "FB tmp",
+        "options: xbar / bwd ms",
+    )
     rows = [
         (
-            p.name, p.kind, p.out_shape, format_bytes(p.x_out), format_bytes(p.xbar), format_bytes(p.fwd_tmp),
-            format_bytes(p.bwd_tmp), f"{1e3 * p.fwd_time:.3f}", f"{1e3 * p.bwd_time:.3f}", f"{1e3 * p.fb_time:.3f}",
-            format_bytes(p.fb_tmp), "; ".join(f"{o.name} {format_bytes(o.xbar)} / {1e3 * o.bwd_time:.3f}" for o in p.options),
+            p.name,
+            p.kind,
+            p.out_shape,
+            format_bytes(p.x_out),
+            format_bytes(p.xbar),
+            format_bytes(p.fwd_tmp),
+            format_bytes(p.bwd_tmp),
+            f"{1e3 * p.fwd_time:.3f}",
+            f"{1e3 * p.bwd_time:.3f}",
+            f"{1e3 * p.fb_time:.3f}",
+            format_bytes(p.fb_tmp),
+            "; ".join(f"{o.name} {format_bytes(o.xbar)} / {1e3 * o.bwd_time:.3f}" for o in p.options),
         )
         for p in stages
     ]

@@ -31,7 +31,6 @@ def median_time(fn, *args, repeats: int) -> float:
     return float(np.median(ts))
 
 
-
 # Vendor peaks for common GPUs, matched against ``device_kind``: dense TF32 tensor-core flop/s
 # (JAX's default precision for float32 matmuls there) and memory bandwidth in bytes/s.
 GPU_RATES = {

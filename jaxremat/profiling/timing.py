@@ -148,7 +148,6 @@ def option_time(measured: float, bwd: float, fb: float) -> float:
     return min(measured, max(bwd, fb))
 
 
-
 # How often the profiler times every stage, a pass over all the stages apart; each program's time
 # is its fastest over all (see StageTimes).
 TIMINGS = 4
@@ -221,6 +220,13 @@ class StageTimes:
 
 
 __all__ = [
-    "TIMINGS", "StageTimes", "check_against_flops", "fused_time", "interleaved_times", "option_time", "rerun_share",
-    "roofline_floor", "suspect",
+    "TIMINGS",
+    "StageTimes",
+    "check_against_flops",
+    "fused_time",
+    "interleaved_times",
+    "option_time",
+    "rerun_share",
+    "roofline_floor",
+    "suspect",
 ]

@@ -54,7 +54,9 @@ def offloaded_stage(apply: Apply, *, bundle: bool, inputs: bool) -> Callable[[An
         ins = {id(leaf) for leaf in jax.tree.leaves(a)}
         cell["kinds"] = kinds = tuple("param" if id(r) in own else "input" if id(r) in ins else "bundle" for r in res)
         # the bundle and the input are two buffers of the schedule, each its own transfer
-        moved = {kind: to_host([r for r, k in zip(res, kinds) if k == kind]) for kind in ("bundle", "input") if moves(kind)}
+        moved = {
+            kind: to_host([r for r, k in zip(res, kinds) if k == kind]) for kind in ("bundle", "input") if moves(kind)
+        }
         kept = [r for r, k in zip(res, kinds) if not moves(k)]
         return (out, updates), (moved, kept)
 

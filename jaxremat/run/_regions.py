@@ -24,6 +24,7 @@ def after(tree: Any, token: jax.Array) -> Any:
     """``tree`` unchanged, read only once ``token`` is made: each float leaf plus ``0 * token``,
     which XLA fuses into the leaf's readers and cannot fold (``0 * t`` is not 0 for a NaN). The
     readers still read the leaf's own instruction, and may write over it."""
+
     def one(x: Any) -> Any:
         if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
             return x
@@ -52,8 +53,15 @@ tap.defvjp(_tap_fwd, _tap_bwd)
 
 
 def tied_checkpoint(
-    body: RegionBody, *, offload: bool = False, inner: Collection[Any] = (), direct_cotangent: bool = True,
-    ordered: bool = False, waits: bool = False, tapped: bool = False, stages: int = 1,
+    body: RegionBody,
+    *,
+    offload: bool = False,
+    inner: Collection[Any] = (),
+    direct_cotangent: bool = True,
+    ordered: bool = False,
+    waits: bool = False,
+    tapped: bool = False,
+    stages: int = 1,
 ) -> Callable[..., tuple[Any, dict, jax.Array]]:
     """``body(variables, keys, a, token, tap) -> (out, updates, mark)`` keeping only its inputs
     for the backward pass, where it is recomputed once the output's cotangent has arrived.
@@ -156,7 +164,9 @@ def tied_checkpoint(
         # stage, passes one element of the cotangent too (below: what keeps it in the barrier)
         # (one device only: on an Explicit mesh, slicing the sharded cotangent to one element
         # fails when the step is transformed; untied there, as before)
-        empty = not any(jnp.issubdtype(jnp.result_type(x), jnp.inexact) and jnp.size(x) for x in jax.tree.leaves(res[2]))
+        empty = not any(
+            jnp.issubdtype(jnp.result_type(x), jnp.inexact) and jnp.size(x) for x in jax.tree.leaves(res[2])
+        )
         tie = direct_cotangent and (empty or stages > 1) and jax.device_count() == 1
         arrived = element_now(g[0]) if tie else None
         owned, keys, a, g_out, token, arrived = lax.optimization_barrier((*res, g[0], g[2], arrived))
@@ -171,7 +181,11 @@ def tied_checkpoint(
         inner_token = order_token() if ordered else None
         tap_token = order_token() if tapped else None
         _, pull, mark = jax.vjp(
-            lambda owned, a, t, s: _out_and_mark(body(owned, keys, a, t, s)), owned, a, inner_token, tap_token,
+            lambda owned, a, t, s: _out_and_mark(body(owned, keys, a, t, s)),
+            owned,
+            a,
+            inner_token,
+            tap_token,
             has_aux=True,
         )
         if mark is not None:

@@ -64,7 +64,9 @@ def scan_units(
     return a
 
 
-def run_selective(stage: Stage, first: int, stored: tuple[bool, ...], a: Any, updates: dict, stacked: Any, rngs: Any) -> Any:
+def run_selective(
+    stage: Stage, first: int, stored: tuple[bool, ...], a: Any, updates: dict, stacked: Any, rngs: Any
+) -> Any:
     """A Repeat's copies (stage ``first`` onwards), stored or checkpointed one by one, as one
     :func:`~jaxremat.run.selective.selective_scan`."""
 
@@ -78,7 +80,13 @@ def run_selective(stage: Stage, first: int, stored: tuple[bool, ...], a: Any, up
 
 
 def run_offload_loop(
-    stage: Stage, first: int, kinds: tuple[CopyKind, ...], a: Any, updates: dict, stacked: Any, rngs: Any,
+    stage: Stage,
+    first: int,
+    kinds: tuple[CopyKind, ...],
+    a: Any,
+    updates: dict,
+    stacked: Any,
+    rngs: Any,
     policies: dict[tuple[int, int], Any],
 ) -> Any:
     """A Repeat's copies (stage ``first`` onwards), stored or checkpointed one by one with some

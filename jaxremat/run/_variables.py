@@ -67,7 +67,9 @@ def cut_variables(chain: Chain, variables: Any, plan: LoopPlan) -> Cut:
         if loop is not None:  # a reshape: no copy
             n, p = (loop.repeats, loop.period) if isinstance(loop, PatternLoop) else (loop.length, 1)
             shape = (n,) if p == 1 else (n, p)
-            pieces[g.start] = {col: jax.tree.map(lambda t: t.reshape(*shape, *t.shape[1:]), tree[BODY]) for col, tree in v.items()}
+            pieces[g.start] = {
+                col: jax.tree.map(lambda t: t.reshape(*shape, *t.shape[1:]), tree[BODY]) for col, tree in v.items()
+            }
             continue
         spans, i = [], g.start
         while i < g.start + g.length:
@@ -82,7 +84,10 @@ def cut_variables(chain: Chain, variables: Any, plan: LoopPlan) -> Cut:
 
         split = {col: jax.tree.map(parts, tree[BODY]) for col, tree in v.items()}
         for q, (i, n, k) in enumerate(spans):
-            piece = {col: jax.tree.map(lambda ps: ps[q], tree, is_leaf=lambda x: isinstance(x, list)) for col, tree in split.items()}
+            piece = {
+                col: jax.tree.map(lambda ps: ps[q], tree, is_leaf=lambda x: isinstance(x, list))
+                for col, tree in split.items()
+            }
             if i in plan.stacked_runs:
                 pieces[i] = positions(piece, n, k)
             else:

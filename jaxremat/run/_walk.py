@@ -32,9 +32,18 @@ class Walker:
     """
 
     def __init__(
-        self, chain: Chain, rngs: Rngs, cut: Cut, loops: LoopPlan, alike: Alike, scan: bool | None,
-        policies: dict[tuple[int, int], Policy], offloaded: frozenset[tuple[str, int]] = frozenset(),
-        reuses: frozenset[int] = frozenset(), tie_policies: bool = True, sealed: frozenset[int] = frozenset(),
+        self,
+        chain: Chain,
+        rngs: Rngs,
+        cut: Cut,
+        loops: LoopPlan,
+        alike: Alike,
+        scan: bool | None,
+        policies: dict[tuple[int, int], Policy],
+        offloaded: frozenset[tuple[str, int]] = frozenset(),
+        reuses: frozenset[int] = frozenset(),
+        tie_policies: bool = True,
+        sealed: frozenset[int] = frozenset(),
         blocks: dict[int, tuple[Block, Policy]] | None = None,
     ):
         self.chain, self.rngs, self.cut, self.loops, self.alike, self.scan = chain, rngs, cut, loops, alike, scan
@@ -120,7 +129,9 @@ class Walker:
         updates.update(new)
         return out
 
-    def unit(self, unit: Unit, a: Any, updates: dict, env: Env | None, token: Any = None, waits: bool = False) -> tuple[Any, Any]:
+    def unit(
+        self, unit: Unit, a: Any, updates: dict, env: Env | None, token: Any = None, waits: bool = False
+    ) -> tuple[Any, Any]:
         """Run ``unit``; returns its output and, for a region, the order token of the region that
         runs right after it (:func:`~jaxremat.run._regions.tied_checkpoint`). ``token``: the one
         the region before returned, where this region hands its input's cotangent over directly
@@ -147,8 +158,14 @@ class Walker:
         warn_unless_planned(stacklevel=7)
         offload = env is None and ("a", unit.start) in self.offloaded
         region = tied_checkpoint(
-            body, offload=offload, inner=inner, direct_cotangent=unit.stop < self.L, ordered=token is not None,
-            waits=waits, tapped=tap_at is not None, stages=unit.stop - unit.start,
+            body,
+            offload=offload,
+            inner=inner,
+            direct_cotangent=unit.stop < self.L,
+            ordered=token is not None,
+            waits=waits,
+            tapped=tap_at is not None,
+            stages=unit.stop - unit.start,
         )
         a, local, token = region(owned, owned_keys, a, token)
         updates.update(local)
@@ -162,7 +179,12 @@ class Walker:
         return [j > 0 and region[j] and region[j - 1] and run[j].start - 1 in self.reuses for j in range(len(run))]
 
     def in_turn(
-        self, run: tuple[Unit, ...], a: Any, updates: dict, env: Env | None, first: Any = None,
+        self,
+        run: tuple[Unit, ...],
+        a: Any,
+        updates: dict,
+        env: Env | None,
+        first: Any = None,
         tapped: tuple[int, Any] | None = None,
     ) -> Any:
         """The units of ``run`` one after another. ``first``: the token of a region whose body
@@ -182,15 +204,23 @@ class Walker:
                 block, policy = self.blocks[unit.start]
                 a, token, until = self.block(block, policy, a, updates), None, block.stop
                 continue
-            a, token = self.unit(unit, a, updates, env, token if handed[j] else None,
-                                 waits=j + 1 < len(run) and handed[j + 1])
+            a, token = self.unit(
+                unit, a, updates, env, token if handed[j] else None, waits=j + 1 < len(run) and handed[j + 1]
+            )
         return a
 
     # -- trees -------------------------------------------------------------------------------------
 
     def run(
-        self, node: Node, stop: int, a: Any, updates: dict, env: Env | None = None, first: Any = None,
-        tapped: tuple[int, Any] | None = None, marks: list | None = None,
+        self,
+        node: Node,
+        stop: int,
+        a: Any,
+        updates: dict,
+        env: Env | None = None,
+        first: Any = None,
+        tapped: tuple[int, Any] | None = None,
+        marks: list | None = None,
     ) -> Any:
         """Apply the stages of ``node`` below ``stop`` (the loss is not a stage). Loops only at
         the top level (``env is None``); inside a region its variables are explicit inputs.
@@ -214,12 +244,27 @@ class Walker:
         for seg in self.loops.segments:
             if isinstance(seg, SelectiveLoop):
                 warn_unless_planned(stacklevel=5)
-                a = run_selective(self.chain.stages[seg.start], seg.start, seg.stored, a, updates,
-                                  self.cut.pieces[seg.start], self.rngs)
+                a = run_selective(
+                    self.chain.stages[seg.start],
+                    seg.start,
+                    seg.stored,
+                    a,
+                    updates,
+                    self.cut.pieces[seg.start],
+                    self.rngs,
+                )
             elif isinstance(seg, OffloadLoop):
                 warn_unless_planned(stacklevel=5)
-                a = run_offload_loop(self.chain.stages[seg.start], seg.start, seg.kinds, a, updates,
-                                     self.cut.pieces[seg.start], self.rngs, self.policies)
+                a = run_offload_loop(
+                    self.chain.stages[seg.start],
+                    seg.start,
+                    seg.kinds,
+                    a,
+                    updates,
+                    self.cut.pieces[seg.start],
+                    self.rngs,
+                    self.policies,
+                )
             elif isinstance(seg, PatternLoop):
                 a = self.pattern_loop(seg, a, updates)
             else:
@@ -231,8 +276,17 @@ class Walker:
         reshaped to ``(n, p, ...)`` (``(n, ...)`` when ``p == 1``)."""
         p = loop.period
         views = (lambda P: [P]) if p == 1 else (lambda P: unstack(P, p))
-        return scan_units(self.apply_all(loop.pattern), loop.start, p, loop.repeats, a, updates,
-                          self.cut.pieces[loop.start], views, cut_in_checkpoint=p > 1)
+        return scan_units(
+            self.apply_all(loop.pattern),
+            loop.start,
+            p,
+            loop.repeats,
+            a,
+            updates,
+            self.cut.pieces[loop.start],
+            views,
+            cut_in_checkpoint=p > 1,
+        )
 
     def stretch(self, stretch: Stretch, a: Any, updates: dict) -> Any:
         """Units between loops: runs of alike units over a Repeat's stacked variables (and with
@@ -242,8 +296,13 @@ class Walker:
             first = run_units[i]
             if first.start in self.loops.stacked_runs:
                 stacked = self.cut.pieces[first.start]
-            elif self.scan and j - i >= 2 and not self.moves(run_units[i:j]) and self.keeps_shape(
-                first, jax.eval_shape(lambda a: self.in_turn(run_units[pending:i], a, {}, None), a)
+            elif (
+                self.scan
+                and j - i >= 2
+                and not self.moves(run_units[i:j])
+                and self.keeps_shape(
+                    first, jax.eval_shape(lambda a: self.in_turn(run_units[pending:i], a, {}, None), a)
+                )
             ):
                 stacked = self.stack(run_units[i:j])
             else:
@@ -251,8 +310,17 @@ class Walker:
             # the units before this scan in turn, together: a region among them may hand its input's
             # cotangent over directly to the one before it (handovers)
             a = self.in_turn(run_units[pending:i], a, updates, None)
-            a = scan_units(self.apply_all((first,)), first.start, first.stop - first.start, j - i, a, updates, stacked,
-                           lambda P: P, cut_in_checkpoint=False)
+            a = scan_units(
+                self.apply_all((first,)),
+                first.start,
+                first.stop - first.start,
+                j - i,
+                a,
+                updates,
+                stacked,
+                lambda P: P,
+                cut_in_checkpoint=False,
+            )
             pending = j
         return self.in_turn(run_units[pending:], a, updates, None)
 

@@ -30,13 +30,14 @@ def _warn_copies(layer: int, offloads: bool = False) -> None:
     why = (
         f"the schedule offloads buffers of Repeat layer {layer} but does not store or checkpoint each of its "
         "copies alone, which a loop that offloads needs, so it runs unrolled"
-        if offloads else f"the schedule does not repeat one pattern over Repeat layer {layer}"
+        if offloads
+        else f"the schedule does not repeat one pattern over Repeat layer {layer}"
     )
     warnings.warn(
         f"jaxremat: {why}: its stacked parameters are sliced, and XLA copies the slices and the gradient's "
         "pieces: up to about twice the layer's parameter bytes more than the plan, and compile time grows "
-        "with depth." + ("" if offloads else " Plans made by jaxremat.plan / remat_chain repeat a pattern when one "
-                         "fits the budget."),
+        "with depth."
+        + ("" if offloads else " Plans made by jaxremat.plan / remat_chain repeat a pattern when one fits the budget."),
         stacklevel=4,
     )
 
@@ -91,8 +92,9 @@ def execute(
     )
     # stages stored whole right after one under a policy read their input as made (Walker.stage)
     sealed = frozenset(
-        u.stage for t, u in zip(spine, spine[1:]) if isinstance(t, StoreUnit) and t.option and isinstance(u, StoreUnit)
-        and not u.option
+        u.stage
+        for t, u in zip(spine, spine[1:])
+        if isinstance(t, StoreUnit) and t.option and isinstance(u, StoreUnit) and not u.option
     )
 
     blocks = {}
@@ -110,8 +112,20 @@ def execute(
             g = next(g for g in chain.stacked if g.layer == layer)
             _warn_copies(layer, offloads=offloads_in(offloaded, g.start, g.start + g.length))
         updates: dict[int, Any] = {}
-        walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, resolved, offloaded,
-                        reuses, tie_policies, sealed, blocks)
+        walker = Walker(
+            chain,
+            rngs,
+            cut_variables(chain, variables, loops),
+            loops,
+            alike,
+            scan,
+            resolved,
+            offloaded,
+            reuses,
+            tie_policies,
+            sealed,
+            blocks,
+        )
         return walker.run(tree, L, x, updates), updates
 
     return forward

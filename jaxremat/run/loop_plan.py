@@ -126,7 +126,9 @@ def _inside(units: Sequence[Unit], start: int, stop: int) -> list[Unit]:
 def _one_stage_each(units: Sequence[Unit], start: int, stop: int) -> list[Unit] | None:
     """The units covering stages ``start .. stop-1`` when each covers exactly one of them."""
     inside = _inside(units, start, stop)
-    if len(inside) != stop - start or any((u.start, u.stop) != (start + q, start + q + 1) for q, u in enumerate(inside)):
+    if len(inside) != stop - start or any(
+        (u.start, u.stop) != (start + q, start + q + 1) for q, u in enumerate(inside)
+    ):
         return None
     return inside
 
@@ -153,7 +155,8 @@ def offload_kinds(
         return None
     return tuple(
         CopyKind(True, u.option, ("a", u.start) in offloaded, ("abar", u.start) in offloaded)
-        if isinstance(u, StoreUnit) else CopyKind(False, 0, ("a", u.start) in offloaded)
+        if isinstance(u, StoreUnit)
+        else CopyKind(False, 0, ("a", u.start) in offloaded)
         for u in inside
     )
 
@@ -179,7 +182,11 @@ def find_pattern(units: Sequence[Unit], start: int, stop: int, alike: Alike) -> 
 
 
 def plan_loops(
-    chain: Chain, shapes: Sequence[Any], units: Sequence[Unit], scan: bool | None, alike: Alike | None = None,
+    chain: Chain,
+    shapes: Sequence[Any],
+    units: Sequence[Unit],
+    scan: bool | None,
+    alike: Alike | None = None,
     offloaded: frozenset[tuple[str, int]] = frozenset(),
 ) -> LoopPlan:
     """The :class:`LoopPlan` of a schedule's top-level ``units`` on ``chain`` (variable ``shapes``
@@ -199,7 +206,11 @@ def plan_loops(
                     loops[g.start] = OffloadLoop(g.start, kinds)
                 continue
             flags = selective_flags(units, g.start, g.start + g.length)
-            found = SelectiveLoop(g.start, flags) if flags is not None else find_pattern(units, g.start, g.start + g.length, alike)
+            found = (
+                SelectiveLoop(g.start, flags)
+                if flags is not None
+                else find_pattern(units, g.start, g.start + g.length, alike)
+            )
             if found is None:
                 sliced.append(g.layer)
             else:
@@ -235,6 +246,16 @@ def plan_loops(
 
 
 __all__ = [
-    "Alike", "Loop", "LoopPlan", "OffloadLoop", "PatternLoop", "SelectiveLoop", "StackedRun", "Stretch", "find_pattern", "offload_kinds", "plan_loops",
+    "Alike",
+    "Loop",
+    "LoopPlan",
+    "OffloadLoop",
+    "PatternLoop",
+    "SelectiveLoop",
+    "StackedRun",
+    "Stretch",
+    "find_pattern",
+    "offload_kinds",
+    "plan_loops",
     "selective_flags",
 ]

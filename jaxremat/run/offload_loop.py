@@ -146,8 +146,10 @@ def offload_scan(
                     stored = lin.run(p, keys, a, u)[2]  # recomputed from the saved input
                 d = lin.pullback(stored, p, a)(a_tree.unflatten(_fill(g_a, a_diff, a_leaves)))
                 n_p = sum(p_diff)
-                d_p = [lax.dynamic_update_index_in_dim(acc, row_d.astype(acc.dtype), u, 0)
-                       for acc, row_d in zip(d_p, d[:n_p])]
+                d_p = [
+                    lax.dynamic_update_index_in_dim(acc, row_d.astype(acc.dtype), u, 0)
+                    for acc, row_d in zip(d_p, d[:n_p])
+                ]
                 return (list(d[n_p:]), d_p), None
 
             (g_a, d_p), _ = lax.scan(body, (g_a, d_p), (jnp.arange(seg.lo, seg.hi), inputs, rows), reverse=True)

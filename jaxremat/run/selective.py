@@ -9,7 +9,8 @@ of ``k`` copies compiles ``k`` of each.
 
 Forward: every iteration takes the block's ``jax.vjp``; the residuals that are not the block's
 inputs go into buffers of ``k`` rows, one per stored copy (a checkpointed copy's write is
-masked: it writes a row back unchanged, so no scratch row is needed), and every copy's input is saved (the schedule keeps it: a checkpoint, or
+masked: it writes a row back unchanged, so no scratch row is needed), and every copy's input is saved (the schedule
+keeps it: a checkpoint, or
 ``a_i``, which ``B i`` needs). Backward: each iteration reads its residuals from the buffer or,
 for a checkpointed copy, recomputes them from its saved input (a ``lax.cond``), then applies the
 pullback rebuilt from them. Residuals that are inputs (parameters, the input) are not stored:
@@ -29,6 +30,7 @@ from jax import lax
 from jax.extend import core as jax_core
 
 Step = Callable[[Any, Any, Any, jax.Array], tuple[Any, Any]]
+
 
 def _inexact(leaf: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
@@ -161,7 +163,7 @@ def selective_scan(step: Step, flags: Sequence[bool], stacked: Any, a: Any, keys
 
             pull = lin.pullback(lin.unpack(lax.cond(stored, load, recompute)), p, a)
             d = pull(jax.tree.unflatten(a_tree, _fill(g, a_diff, a_leaves)))
-            return list(d[sum(p_diff):]), list(d[: sum(p_diff)])
+            return list(d[sum(p_diff) :]), list(d[: sum(p_diff)])
 
         ga, dp = lax.scan(body, g_carry, (stacked, inputs, jnp.arange(n), jnp.asarray(flags), slots), reverse=True)
         d_stacked = jax.tree.structure(stacked).unflatten(_fill(dp, p_diff, p_leaves))
@@ -191,7 +193,9 @@ class _Layout:
             for d in self.dtypes
         ]
 
-    def write(self, bufs: Sequence[jax.Array], leaves: Sequence[jax.Array], slot: jax.Array, keep: jax.Array | None = None) -> list[jax.Array]:
+    def write(
+        self, bufs: Sequence[jax.Array], leaves: Sequence[jax.Array], slot: jax.Array, keep: jax.Array | None = None
+    ) -> list[jax.Array]:
         """``bufs`` with row ``slot`` set to ``leaves``, written one by one (no packed copy); where
         ``keep`` is false, the row is written back unchanged instead (a masked write)."""
         by_dtype = dict(zip(self.dtypes, bufs))
@@ -236,8 +240,10 @@ class KeyData:
         return out
 
     def decode(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
-        return [jax.random.wrap_key_data(leaf, impl=self.impls[j]) if keyed else leaf
-                for j, (leaf, keyed) in enumerate(zip(leaves, self.keyed))]
+        return [
+            jax.random.wrap_key_data(leaf, impl=self.impls[j]) if keyed else leaf
+            for j, (leaf, keyed) in enumerate(zip(leaves, self.keyed))
+        ]
 
 
 def _fill(values: Sequence[Any], diff: Sequence[bool], like: Sequence[Any]) -> list:

@@ -150,7 +150,9 @@ def store_need(c: SlotChain) -> tuple[np.ndarray, np.ndarray]:
     return c.x[s] + c.x[s + 1] + c.xbar + c.bwd_need + c.held[s], c.xbar + c.fwd_tmp
 
 
-def forward_thresholds(x: np.ndarray, fwd_tmp: np.ndarray, rows: int, cols: int, ov: np.ndarray | None = None) -> np.ndarray:
+def forward_thresholds(
+    x: np.ndarray, fwd_tmp: np.ndarray, rows: int, cols: int, ov: np.ndarray | None = None
+) -> np.ndarray:
     """``T[s, k]``: memory the forwards ``Fck s, Fn s+1 .. Fn s+k`` need beyond ``δ_{t+1}``.
 
     ``T[s, k] = max(x[s+1] + fwd_tmp[s], max_{1<=q<=k} x[s+q] + x[s+q+1] + fwd_tmp[s+q])``:
@@ -228,4 +230,3 @@ def least_memory(c: SlotChain) -> int:
         )
         need[s, d] = np.minimum(sa, ck.min(axis=1))
     return int(need[0, L])
-

@@ -138,7 +138,9 @@ def fill(L, m, x, xd, xbar, fwd_tmp, bwd_tmp, fb, base_need, base_time, thr, F, 
         best = jnp.full((BS, S1), jnp.inf, jnp.float32)
         for k in range(K):  # few options: unrolled
             nxt = _shift(rest, xbar[k, ss], m)
-            sa_ok = (m[None, :] >= (xd[ss + d + 1] + xbar[k, ss] + fwd_tmp[ss])[:, None]) & (m[None, :] >= back[k, ss][:, None])
+            sa_ok = (m[None, :] >= (xd[ss + d + 1] + xbar[k, ss] + fwd_tmp[ss])[:, None]) & (
+                m[None, :] >= back[k, ss][:, None]
+            )
             best = jnp.minimum(best, jnp.where(sa_ok, fb[k, ss][:, None] + nxt, jnp.inf))
         valid = ss <= L - d
 
@@ -168,7 +170,9 @@ def fill(L, m, x, xd, xbar, fwd_tmp, bwd_tmp, fb, base_need, base_time, thr, F, 
                 m0 = jnp.minimum(lo + c * MC, S1 - MC)
                 left = lax.dynamic_slice(A, (s0, k0, m0), (BS, BK, MC))
                 right = lax.dynamic_slice(A, (s0 + d, Lb - d + k0 + 1, m0), (BS, BK, MC))
-                tot = jnp.where((m0 + m_chunk)[None, None, :] >= lim[:, :, None], left + right + fs[:, :, None], jnp.inf)
+                tot = jnp.where(
+                    (m0 + m_chunk)[None, None, :] >= lim[:, :, None], left + right + fs[:, :, None], jnp.inf
+                )
                 cur = lax.dynamic_slice(acc, (0, m0), (BS, MC))
                 # splits on the leading axis: XLA emits one vectorised loop fusion for the reduction
                 return lax.dynamic_update_slice(acc, jnp.minimum(cur, tot.transpose(1, 0, 2).min(axis=0)), (0, m0))
@@ -198,7 +202,9 @@ def fill(L, m, x, xd, xbar, fwd_tmp, bwd_tmp, fb, base_need, base_time, thr, F, 
 def _compiled(shapes: tuple, prune: bool = True) -> "jax.stages.Compiled":
     """One compiled fill per bucket shape (the jit cache would not take compiler options)."""
     cpu = jax.devices("cpu")[0]
-    specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(cpu)) for shape, dtype in shapes]
+    specs = [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(cpu)) for shape, dtype in shapes
+    ]
     return jax.jit(functools.partial(fill, prune=prune)).lower(*specs).compile(_CPU_OPTIONS)
 
 

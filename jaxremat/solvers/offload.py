@@ -271,13 +271,17 @@ def offload_ops(
     return rebuild(p, W), best
 
 
-def solve_offload(costs: ChainCosts, budget: int, slots: int, bandwidth: Bandwidth, algorithm: str = "optimal_offload") -> Schedule:
+def solve_offload(
+    costs: ChainCosts, budget: int, slots: int, bandwidth: Bandwidth, algorithm: str = "optimal_offload"
+) -> Schedule:
     """The fastest schedule of the class above within ``budget``; never slower than
     ``"optimal"`` (whose schedule is taken when the DP in slots finds nothing faster)."""
     best: Schedule | None = None
     try:
         best = solve_optimal(costs, budget, slots, algorithm)
-        best = Schedule.from_ops(costs, best.ops, budget=budget, algorithm=algorithm, note=best.note, bandwidth=bandwidth)
+        best = Schedule.from_ops(
+            costs, best.ops, budget=budget, algorithm=algorithm, note=best.note, bandwidth=bandwidth
+        )
     except InfeasibleBudget:
         pass
     # Shared values are not modelled with transfers: the offload DP (which ignores them, a safe
@@ -290,7 +294,9 @@ def solve_offload(costs: ChainCosts, budget: int, slots: int, bandwidth: Bandwid
         if best is None or sched.time < best.time:
             best = sched
     if best is None:
-        raise InfeasibleBudget(algorithm, budget, offload_min_budget(costs, slots, bandwidth), note=f"with {slots} slots")
+        raise InfeasibleBudget(
+            algorithm, budget, offload_min_budget(costs, slots, bandwidth), note=f"with {slots} slots"
+        )
     return best
 
 

@@ -49,8 +49,15 @@ def dp_min_budget(costs: ChainCosts, slots: int) -> int | None:
     # (what a_q adds beyond its overlap, x[q] - ov[p, q], at best 1 slot too)
     ov = None if b.ov is None else np.maximum(ones(b.x)[None, :] - ones(b.x[None, :] - b.ov), 0)
     limit = dataclasses.replace(
-        b, slots=slots, x=ones(b.x), xbar=ones(b.xbar), fwd_tmp=ones(b.fwd_tmp), bwd_tmp=ones(b.bwd_tmp),
-        fb_tmp=ones(b.fb_tmp), ov=ov, P=None if b.P is None else ones(b.P),
+        b,
+        slots=slots,
+        x=ones(b.x),
+        xbar=ones(b.xbar),
+        fwd_tmp=ones(b.fwd_tmp),
+        bwd_tmp=ones(b.bwd_tmp),
+        fb_tmp=ones(b.fb_tmp),
+        ov=ov,
+        P=None if b.P is None else ones(b.P),
     )
     if least_memory(limit) > slots:
         return None
@@ -137,7 +144,11 @@ def solve_optimal(costs: ChainCosts, budget: int, slots: int, algorithm: str = "
         if best is not None and op_time(costs, cand_ops) >= best.time * (1 + tie):
             continue  # cheap: no replay for a candidate that can neither win nor tie
         sched = Schedule.from_ops(
-            costs, cand_ops, budget=budget, algorithm=algorithm, note=f"the {name} schedule (DP in slots was not faster)"
+            costs,
+            cand_ops,
+            budget=budget,
+            algorithm=algorithm,
+            note=f"the {name} schedule (DP in slots was not faster)",
         )
         if sched.peak <= budget:
             fitting[name] = sched
@@ -165,7 +176,10 @@ def _fewer_flops(costs: ChainCosts, best: Schedule, fitting: dict[str, Schedule]
         return best
     slower = fewest.time / best.time - 1 if best.time > 0 else 0.0
     return Schedule.from_ops(
-        costs, fewest.ops, budget=fewest.budget, algorithm=fewest.algorithm,
+        costs,
+        fewest.ops,
+        budget=fewest.budget,
+        algorithm=fewest.algorithm,
         note=f"the {name} schedule: {1 - ratio:.1%} fewer flops than the fastest, {slower:.1%} slower on the profile",
     )
 

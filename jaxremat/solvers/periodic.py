@@ -30,7 +30,14 @@ import numpy as np
 
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.loops import (
-    MAX_PERIOD, REGION, STORE, LoopGroup, Part, as_pattern, compile_rank, loop_costs,
+    MAX_PERIOD,
+    REGION,
+    STORE,
+    LoopGroup,
+    Part,
+    as_pattern,
+    compile_rank,
+    loop_costs,
 )
 from jaxremat.core.schedule import Schedule
 from jaxremat.core.simulator import simulate
@@ -71,7 +78,8 @@ def _unit(part: Part, s: int) -> Unit:
         return StoreUnit(s, part.option)
     # a region's last stage, and each stage checkpointed alone, runs fused with its backward (FB)
     inner: list[Unit] = [
-        StoreUnit(j) if part.kind == "region" else RegionUnit(j, j + 1, Leaf(j, fused=True)) for j in range(s, s + k - 1)
+        StoreUnit(j) if part.kind == "region" else RegionUnit(j, j + 1, Leaf(j, fused=True))
+        for j in range(s, s + k - 1)
     ]
     return RegionUnit(s, s + k, build(inner, Leaf(s + k - 1, fused=True)))
 
@@ -106,11 +114,15 @@ def _check_groups(L: int, groups: Sequence[LoopGroup]) -> None:
     end = 0
     for s, n in sorted(groups):
         if s < end or n < 1 or s + n > L:
-            raise ValueError(f"periodic groups must be disjoint ranges within the chain's {L} stages; got {list(groups)}")
+            raise ValueError(
+                f"periodic groups must be disjoint ranges within the chain's {L} stages; got {list(groups)}"
+            )
         end = s + n
 
 
-def _candidate(costs: ChainCosts, groups: Sequence[LoopGroup], trial: dict, outside: str, param_bytes: Sequence[int] | None):
+def _candidate(
+    costs: ChainCosts, groups: Sequence[LoopGroup], trial: dict, outside: str, param_bytes: Sequence[int] | None
+):
     L = costs.length
     ops = to_ops(periodic_tree(L, groups, trial, outside), L)
     c = costs if param_bytes is None else loop_costs(costs, groups, trial, param_bytes)
@@ -207,7 +219,9 @@ def periodic_schedules(
         options.append(_group_patterns(costs, s, n, max_period) + [selective(k, n) for k in stored])
     count = 2 * int(np.prod([len(o) for o in options]))
     if count > limit:
-        raise ValueError(f"{count} periodic schedules for these groups, more than the limit of {limit}; lower max_period")
+        raise ValueError(
+            f"{count} periodic schedules for these groups, more than the limit of {limit}; lower max_period"
+        )
     out = []
     for outside in ("store", "region"):
         for combo in itertools.product(*options):
@@ -218,5 +232,13 @@ def periodic_schedules(
 
 
 __all__ = [
-    "COMPILE_TOLERANCE", "MAX_PERIOD", "compile_rank", "loop_costs", "patterns", "periodic_schedules", "periodic_tree", "selective", "solve_periodic",
+    "COMPILE_TOLERANCE",
+    "MAX_PERIOD",
+    "compile_rank",
+    "loop_costs",
+    "patterns",
+    "periodic_schedules",
+    "periodic_tree",
+    "selective",
+    "solve_periodic",
 ]

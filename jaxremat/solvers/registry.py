@@ -47,7 +47,10 @@ def _fixed(name: str, description: str) -> Algorithm:
 
 def _revolve_schedule(costs: ChainCosts, snapshots: int, budget: int | None) -> Schedule:
     return Schedule.from_ops(
-        costs, baselines.revolve(costs.length, snapshots), budget=budget, algorithm="revolve",
+        costs,
+        baselines.revolve(costs.length, snapshots),
+        budget=budget,
+        algorithm="revolve",
         note=f"{snapshots} snapshot(s)",
     )
 
@@ -70,16 +73,29 @@ def _revolve(costs: ChainCosts, budget: int, slots: int) -> Schedule:
 REGISTRY: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("optimal", solve_optimal, optimal_min_budget,
-                  "the persistent dynamic program (Rotor's, store-all check corrected); never slower than a baseline"),
-        Algorithm("revolve", _revolve, lambda costs, slots: _revolve_schedule(costs, 0, None).peak,
-                  "binomial checkpointing with as many snapshots as fit"),
+        Algorithm(
+            "optimal",
+            solve_optimal,
+            optimal_min_budget,
+            "the persistent dynamic program (Rotor's, store-all check corrected); never slower than a baseline",
+        ),
+        Algorithm(
+            "revolve",
+            _revolve,
+            lambda costs, slots: _revolve_schedule(costs, 0, None).peak,
+            "binomial checkpointing with as many snapshots as fit",
+        ),
         _fixed("sqrt", "about sqrt(L) evenly spaced checkpoints"),
         _fixed("every_stage", "jax.checkpoint around every stage"),
         _fixed("store_all", "plain autodiff"),
         _fixed("recompute_all", "keep only the input; quadratic time, least memory"),
-        Algorithm("optimal_offload", solve_offload, offload_min_budget,
-                  "remat and host offloading together (POFO-style); never slower than 'optimal'", offloads=True),
+        Algorithm(
+            "optimal_offload",
+            solve_offload,
+            offload_min_budget,
+            "remat and host offloading together (POFO-style); never slower than 'optimal'",
+            offloads=True,
+        ),
     )
 }
 ALIASES = {"rotor": "optimal"}
@@ -99,7 +115,9 @@ def canonical(algorithm: str) -> str:
     return name
 
 
-def _check(costs: ChainCosts, algorithm: str, slots: int, bandwidth: BandwidthLike | None = None) -> tuple[Algorithm, tuple]:
+def _check(
+    costs: ChainCosts, algorithm: str, slots: int, bandwidth: BandwidthLike | None = None
+) -> tuple[Algorithm, tuple]:
     """The algorithm and the extra arguments it takes (a :class:`Bandwidth` when it offloads)."""
     if not isinstance(costs, ChainCosts):
         raise TypeError(f"expected ChainCosts, got {type(costs).__name__}; build one with jaxremat.ChainCosts(...)")
@@ -123,7 +141,11 @@ def _check(costs: ChainCosts, algorithm: str, slots: int, bandwidth: BandwidthLi
 
 
 def solve(
-    costs: ChainCosts, budget: Budget, *, algorithm: str = "optimal", slots: int = 500,
+    costs: ChainCosts,
+    budget: Budget,
+    *,
+    algorithm: str = "optimal",
+    slots: int = 500,
     bandwidth: BandwidthLike | None = None,
 ) -> Schedule:
     """The schedule of ``algorithm`` for ``costs`` within ``budget``.
@@ -190,4 +212,14 @@ def pareto(
     return front
 
 
-__all__ = ["ALGORITHMS", "ALIASES", "OFFLOAD_ALGORITHMS", "REGISTRY", "Algorithm", "canonical", "min_budget", "pareto", "solve"]
+__all__ = [
+    "ALGORITHMS",
+    "ALIASES",
+    "OFFLOAD_ALGORITHMS",
+    "REGISTRY",
+    "Algorithm",
+    "canonical",
+    "min_budget",
+    "pareto",
+    "solve",
+]

@@ -26,7 +26,15 @@ def stage_classes(schedule: Schedule) -> list[tuple]:
     """Per stage, the costs that make two stages interchangeable for the simulator."""
     c = schedule.costs
     return [
-        (int(c.x[i]), int(c.x[i + 1]), int(c.xbar[i]), float(c.fwd[i]), float(c.bwd[i]), int(c.fwd_tmp[i]), int(c.bwd_tmp[i]))
+        (
+            int(c.x[i]),
+            int(c.x[i + 1]),
+            int(c.xbar[i]),
+            float(c.fwd[i]),
+            float(c.bwd[i]),
+            int(c.fwd_tmp[i]),
+            int(c.bwd_tmp[i]),
+        )
         for i in range(c.length)
     ]
 
@@ -40,6 +48,7 @@ def _orders(kinds: list[tuple], lengths: dict[tuple, int]) -> list[tuple[tuple, 
 
 def _stretches(spine: list[Unit], classes: Sequence[Hashable]) -> list[tuple[int, int]]:
     """Maximal runs ``[i, j)`` of units whose stages all share one class."""
+
     def cls(u: Unit) -> Hashable | None:
         found = {classes[s] for s in range(u.start, u.stop)}
         return found.pop() if len(found) == 1 else None
@@ -88,9 +97,10 @@ def regularise(schedule: Schedule, classes: Sequence[Hashable] | None = None) ->
         spine = list(spine)
         for idx, u in enumerate(spine):  # inner trees first, so that equal regions become alike
             if isinstance(u, RegionUnit):
+
                 def inside(sub: Node, idx: int = idx) -> Node:
                     v = spine[idx]
-                    return whole(build([*spine[:idx], RegionUnit(v.start, v.stop, sub), *spine[idx + 1:]], leaf))
+                    return whole(build([*spine[:idx], RegionUnit(v.start, v.stop, sub), *spine[idx + 1 :]], leaf))
 
                 spine[idx] = RegionUnit(u.start, u.stop, visit(u.inner, inside))
         for i, j in _stretches(spine, classes):

@@ -80,14 +80,15 @@ def strategies_table(cmp: Comparison) -> list[str]:
     ]
     base = cmp.baseline
     lines.append(
-        f"| no remat | {_mib(base.temp)} | {_mib(base.total)} | 1.00 | 1.00 ({base.time * 1e3:.1f} ms) |"
-        + " |" * 7
+        f"| no remat | {_mib(base.temp)} | {_mib(base.total)} | 1.00 | 1.00 ({base.time * 1e3:.1f} ms) |" + " |" * 7
     )
     for m, asked, cal, _ in cmp.matched():
         cells = [m.strategy, _mib(m.temp), _mib(m.total), f"{cmp.flops_ratio(m):.2f}", f"{cmp.overhead(m):.2f}"]
         if asked is not None and asked.times:
-            cells += [f"{_mib(asked.temp)} ({_mib(asked.predicted_peak)})",
-                      f"{cmp.overhead(asked):.2f} ({asked.predicted_overhead:.2f})"]
+            cells += [
+                f"{_mib(asked.temp)} ({_mib(asked.predicted_peak)})",
+                f"{cmp.overhead(asked):.2f} ({asked.predicted_overhead:.2f})",
+            ]
         else:
             cells += ["", ""]
         cells.append(verdict(cmp, m, asked))
@@ -125,23 +126,33 @@ def noise_check(cmp: Comparison) -> str:
     stages whose kernel reads wait for their cotangent, :mod:`jaxremat.run._grad_tie`)."""
     base = cmp.baseline
     spread, names = cmp.identical_spread()
-    same = (f" Identical programs timed apart differed by up to {spread:.1%} of no remat's time "
-            f"({' and '.join(f'`{n}`' for n in names)}); differences below {tolerance(cmp):.1%} are called noise "
-            "here." if names else "")
+    same = (
+        f" Identical programs timed apart differed by up to {spread:.1%} of no remat's time "
+        f"({' and '.join(f'`{n}`' for n in names)}); differences below {tolerance(cmp):.1%} are called noise "
+        "here."
+        if names
+        else ""
+    )
     swept = [p for p in cmp.points if p.kind == "jaxremat" and p.times and p.budget is not None]
     if not swept:
         return same
     p = max(swept, key=lambda p: p.budget)  # the store-all budget, the sweep's largest
     if abs(cmp.flops_ratio(p) - 1) >= 0.005:
         return same
-    memory = "the same memory" if p.temp == base.temp else (
-        f"{p.temp / 2**20:.2f} MiB of temp against {base.temp / 2**20:.2f}")
-    return (f" Noise check: jaxremat at the store-all budget compiles to no remat's flops "
-            f"({cmp.flops_ratio(p):.3f}), in {memory}, and measured {cmp.overhead(p):.2f}.{same}")
+    memory = (
+        "the same memory"
+        if p.temp == base.temp
+        else (f"{p.temp / 2**20:.2f} MiB of temp against {base.temp / 2**20:.2f}")
+    )
+    return (
+        f" Noise check: jaxremat at the store-all budget compiles to no remat's flops "
+        f"({cmp.flops_ratio(p):.3f}), in {memory}, and measured {cmp.overhead(p):.2f}.{same}"
+    )
 
 
 def markdown(cmp: Comparison, plot: str | None = None) -> str:
     """The model's section of the results: strategies, jaxremat's sweep, the plot."""
+
     def ok(w: str) -> bool:
         return w.startswith(("faster", "same")) and "more memory" not in w
 
@@ -154,7 +165,8 @@ def markdown(cmp: Comparison, plot: str | None = None) -> str:
         f"{cmp.costs.length} stages; input {format_bytes(cmp.input_bytes)}, parameters "
         f"{format_bytes(cmp.params_bytes)}; no-remat step {cmp.baseline.time * 1e3:.1f} ms. "
         f"Times and flops are over no remat; temp is XLA's `temp_size_in_bytes` (total adds arguments "
-        f"and outputs less the donated buffers: parameters, optimizer state, input and loss). jaxremat asked for a manual strategy's "
+        "and outputs less the donated buffers: parameters, optimizer state, input and loss). jaxremat asked for a "
+        "manual strategy's "
         f"memory: no slower within that memory for {sum(map(ok, asked))} of {len(asked)}, within it and in no "
         f"more compiled flops for {sum(flops)} of {len(flops)}; calibrated with XLA in the loop: "
         f"{sum(map(ok, cal))} of {len(cal)}.{noise_check(cmp)}",
@@ -172,8 +184,18 @@ def markdown(cmp: Comparison, plot: str | None = None) -> str:
 
 
 def run(
-    label: str, model: Any, x: Any, out_dir: str | Path, *, name: str, method: str = "measure",
-    rounds: int = 6, quiet: bool = False, plot: bool = True, variables: Any = None, points: int = 8,
+    label: str,
+    model: Any,
+    x: Any,
+    out_dir: str | Path,
+    *,
+    name: str,
+    method: str = "measure",
+    rounds: int = 6,
+    quiet: bool = False,
+    plot: bool = True,
+    variables: Any = None,
+    points: int = 8,
     manual: Any = None,
 ) -> tuple[Comparison, str]:
     """Profile, compare and write ``{name}.csv`` (and ``{name}.png``) under ``out_dir``;
@@ -182,7 +204,9 @@ def run(
     out_dir.mkdir(parents=True, exist_ok=True)
     chain = model if isinstance(model, Chain) else Chain.from_linen(model)
     if variables is None:
-        variables = model.init(jax.random.key(0), x) if not isinstance(model, Chain) else chain.init(jax.random.key(0), x)
+        variables = (
+            model.init(jax.random.key(0), x) if not isinstance(model, Chain) else chain.init(jax.random.key(0), x)
+        )
     costs = profile(chain, variables, x, method=method, quiet=quiet, loss=measured_loss)
     say = None if quiet else (lambda s: print("  " + s, flush=True))
     cmp = compare(label, chain, variables, x, costs, rounds=rounds, progress=say, n_budgets=points, manual=manual)

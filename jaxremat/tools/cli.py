@@ -103,13 +103,19 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     x = sample_input(shape, dtype)
     if _is_linen_function_model(model):
         return _jaxpr_chain(args, model, x, shape, dtype)
-    nnx_model = isinstance(model, nnx.Sequential) or (isinstance(model, (list, tuple)) and isinstance(model[0], nnx.Module))
+    nnx_model = isinstance(model, nnx.Sequential) or (
+        isinstance(model, (list, tuple)) and isinstance(model[0], nnx.Module)
+    )
     chain = Chain.from_nnx(model) if nnx_model else Chain.from_linen(model)
     try:
-        variables = chain.init(jax.random.key(0), x) if nnx_model or not chain.sequential else model.init(jax.random.key(0), x)
+        variables = (
+            chain.init(jax.random.key(0), x) if nnx_model or not chain.sequential else model.init(jax.random.key(0), x)
+        )
     except Exception as e:  # noqa: BLE001 - the model cannot take this input
-        raise UsageError(f"{args.model} cannot take an input of shape {shape} ({dtype}): {type(e).__name__}: "
-                         f"{str(e).splitlines()[0]}") from None
+        raise UsageError(
+            f"{args.model} cannot take an input of shape {shape} ({dtype}): {type(e).__name__}: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
     chain.shapes(variables, x)  # names the stage that cannot take its input
     return model, chain, variables, x
 
@@ -130,8 +136,10 @@ def _jaxpr_chain(args: argparse.Namespace, model: Any, x: Any, shape: tuple, dty
     try:
         variables = model.init(jax.random.key(0), x)
     except Exception as e:  # noqa: BLE001 - the model cannot take this input
-        raise UsageError(f"{args.model} cannot take an input of shape {shape} ({dtype}): {type(e).__name__}: "
-                         f"{str(e).splitlines()[0]}") from None
+        raise UsageError(
+            f"{args.model} cannot take an input of shape {shape} ({dtype}): {type(e).__name__}: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
 
     def loss(v: Any, x: Any) -> Any:
         return jnp.mean(jnp.square(model.apply(v, x)).astype(jnp.float32))
@@ -167,7 +175,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
         except InfeasibleBudget as e:
             print(f"{algorithm:<14} {'does not fit':>15} {'least ' + format_bytes(e.min_budget):>20}")
     if args.save:
-        plan(chain, variables, x, budget, algorithm=args.algorithm, bandwidth=args.bandwidth, costs=costs).save(args.save)
+        plan(chain, variables, x, budget, algorithm=args.algorithm, bandwidth=args.bandwidth, costs=costs).save(
+            args.save
+        )
         print(f"\nplan saved to {args.save}")
     if args.plot:
         from jaxremat.tools.plots import plot_front
@@ -181,8 +191,20 @@ def cmd_bench(args: argparse.Namespace) -> None:
     model, chain, variables, x = prepare(args)
     out = Path(args.out)
     name = args.model.replace(":", "_").replace(".", "_")
-    _, md = bench.run(args.model, chain, x, out, name=name, method=args.method, rounds=args.rounds, quiet=args.quiet,
-                      plot=not args.no_plot, variables=variables, points=args.points, manual=args.manual)
+    _, md = bench.run(
+        args.model,
+        chain,
+        x,
+        out,
+        name=name,
+        method=args.method,
+        rounds=args.rounds,
+        quiet=args.quiet,
+        plot=not args.no_plot,
+        variables=variables,
+        points=args.points,
+        manual=args.manual,
+    )
     (out / f"{name}.md").write_text(md)
     print(md)
     print(f"results written under {out}/")
@@ -192,61 +214,99 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from jaxremat.tools.demo import run_demo
 
     model, chain, variables, x = prepare(args)
-    run_demo(args.model, model, chain, variables, x, args.budget, steps=args.steps, method=args.method,
-             quiet=args.quiet, calibrate=args.calibrate)
+    run_demo(
+        args.model,
+        model,
+        chain,
+        variables,
+        x,
+        args.budget,
+        steps=args.steps,
+        method=args.method,
+        quiet=args.quiet,
+        calibrate=args.calibrate,
+    )
 
 
 # -- the parser ------------------------------------------------------------------------------------
 
 
 def _model_args(p: argparse.ArgumentParser, default: str | None) -> None:
-    p.add_argument("--model", default=default, required=default is None,
-                   help=f"built-in ({', '.join(SAMPLES)}) or PKG.MODULE:FACTORY" + (f" (default {default})" if default else ""))
+    p.add_argument(
+        "--model",
+        default=default,
+        required=default is None,
+        help=f"built-in ({', '.join(SAMPLES)}) or PKG.MODULE:FACTORY" + (f" (default {default})" if default else ""),
+    )
     p.add_argument("--input-shape", help="input shape, e.g. 16,32,32,3 (built-in models have one)")
     p.add_argument("--dtype", help="input dtype (default float32; the built-in gpt takes int32)")
-    p.add_argument("--method", choices=("measure", "xla"), default="measure",
-                   help="profile by timing each stage or from XLA's cost analysis (default measure)")
+    p.add_argument(
+        "--method",
+        choices=("measure", "xla"),
+        default="measure",
+        help="profile by timing each stage or from XLA's cost analysis (default measure)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="jaxremat", description="Optimal rematerialisation for JAX under a memory budget.")
+    top = argparse.ArgumentParser(
+        prog="jaxremat", description="Optimal rematerialisation for JAX under a memory budget."
+    )
     sub = top.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="profile a model, solve for a budget, print the schedule",
-                       description="Profile a model, solve for a budget and print the schedule with its predicted "
-                       "memory and time against the other algorithms.")
+    p = sub.add_parser(
+        "plan",
+        help="profile a model, solve for a budget, print the schedule",
+        description="Profile a model, solve for a budget and print the schedule with its predicted "
+        "memory and time against the other algorithms.",
+    )
     _model_args(p, None)
     p.add_argument("--budget", required=True, help="bytes, '512MiB', '2GB' or a share of the store-all peak ('40%%')")
-    p.add_argument("--algorithm", default="optimal",
-                   help="optimal (default), revolve, sqrt, every_stage, ..., or optimal_offload (with --bandwidth)")
+    p.add_argument(
+        "--algorithm",
+        default="optimal",
+        help="optimal (default), revolve, sqrt, every_stage, ..., or optimal_offload (with --bandwidth)",
+    )
     p.add_argument("--bandwidth", type=float, help="for optimal_offload: host link bytes per second, each way")
     p.add_argument("--plot", metavar="FILE.png", help="also write the predicted time-memory front")
     p.add_argument("--save", metavar="PLAN.json", help="save the plan for jaxremat.load_plan")
     p.set_defaults(run=cmd_plan)
 
-    b = sub.add_parser("bench", help="measure jaxremat against hand-written jax.checkpoint strategies",
-                       description="Compile and time the model's training step under each hand-written "
-                       "jax.checkpoint strategy and under jaxremat for a sweep of budgets (CSV, markdown, plot).")
+    b = sub.add_parser(
+        "bench",
+        help="measure jaxremat against hand-written jax.checkpoint strategies",
+        description="Compile and time the model's training step under each hand-written "
+        "jax.checkpoint strategy and under jaxremat for a sweep of budgets (CSV, markdown, plot).",
+    )
     _model_args(b, None)
-    b.add_argument("--out", default="jaxremat-bench", help="folder for the CSV, markdown and PNG (default jaxremat-bench)")
+    b.add_argument(
+        "--out", default="jaxremat-bench", help="folder for the CSV, markdown and PNG (default jaxremat-bench)"
+    )
     b.add_argument("--rounds", type=int, default=6, help="timing rounds (each 5 calls per strategy; default 6)")
     b.add_argument("--points", type=int, default=8, help="budgets in jaxremat's sweep (default 8)")
-    b.add_argument("--manual", nargs="+", metavar="NAME",
-                   help="only these hand-written strategies (e.g. 'remat every block' 'policy dots_saveable'); "
-                   "default all")
+    b.add_argument(
+        "--manual",
+        nargs="+",
+        metavar="NAME",
+        help="only these hand-written strategies (e.g. 'remat every block' 'policy dots_saveable'); default all",
+    )
     b.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     b.set_defaults(run=cmd_bench)
 
-    d = sub.add_parser("demo", help="the main job: plan a real Flax model, train it under a budget, compare",
-                       description="Profile a Flax model, plan it for a budget, train a few optax steps under the "
-                       "plan, and print predicted against XLA-measured memory and time next to the usual "
-                       "jax.checkpoint strategies.")
+    d = sub.add_parser(
+        "demo",
+        help="the main job: plan a real Flax model, train it under a budget, compare",
+        description="Profile a Flax model, plan it for a budget, train a few optax steps under the "
+        "plan, and print predicted against XLA-measured memory and time next to the usual "
+        "jax.checkpoint strategies.",
+    )
     _model_args(d, "resnet")
     d.add_argument("--budget", default="50%", help="bytes, '512MiB' or a share of the store-all peak (default 50%%)")
     d.add_argument("--steps", type=int, default=5, help="training steps to run under the plan (default 5)")
-    d.add_argument("--calibrate", action="store_true",
-                   help="correct the plan with XLA's measured memory (a few more compilations)")
+    d.add_argument(
+        "--calibrate", action="store_true", help="correct the plan with XLA's measured memory (a few more compilations)"
+    )
     d.set_defaults(run=cmd_demo)
     return top
 

@@ -268,7 +268,8 @@ def compare(
     """Measure the manual strategies and jaxremat's schedules for ``chain`` on input ``x``.
 
     ``budgets``: jaxremat's sweep (bytes, strings such as ``"40%"``); by default ``n_budgets`` budgets
-    from the least that fits to the store-all peak; ``schedules`` are measured as well. With ``match``, jaxremat ``"optimal"`` is
+    from the least that fits to the store-all peak; ``schedules`` are measured as well. With ``match``, jaxremat
+    ``"optimal"`` is
     also asked for each manual strategy's XLA-measured temp memory (plus the input, which the
     plan counts and XLA's temp does not). ``progress`` receives a line per compiled point.
     """
@@ -299,15 +300,25 @@ def compare(
         key = tuple(sched.ops)
         if key in by_ops:  # same ops: reuse the measurement
             src = by_ops[key]
-            point = replace(point, temp=src.temp, total=src.total, flops=src.flops, compile_s=src.compile_s,
-                            compiled=None, program=src.program,
-                            note=(point.note + f" same schedule as {src.strategy}").strip())
+            point = replace(
+                point,
+                temp=src.temp,
+                total=src.total,
+                flops=src.flops,
+                compile_s=src.compile_s,
+                compiled=None,
+                program=src.program,
+                note=(point.note + f" same schedule as {src.strategy}").strip(),
+            )
             point.times = src.times  # shared list: filled once when timed
             return point
         f = execute(chain, sched)
         compile_point(point, lambda vs, a: f(chain.merge(vs), a, rngs)[0], per_stage, params, x)
         by_ops[key] = point
-        say(f"{point.strategy}: temp {point.temp} B (predicted {point.predicted_peak} B), compiled in {point.compile_s:.1f} s")
+        say(
+            f"{point.strategy}: temp {point.temp} B (predicted {point.predicted_peak} B), compiled in "
+            f"{point.compile_s:.1f} s"
+        )
         return point
 
     least, top = min_budget(costs), store_all_peak(costs)
@@ -332,8 +343,15 @@ def compare(
             try:
                 sched = solve(costs, budget)
             except InfeasibleBudget as e:
-                points.append(Point(f"jaxremat optimal @ {budget}", "matched", budget=budget, matches=m.strategy,
-                                    note=f"does not fit (least budget {e.min_budget} B)"))
+                points.append(
+                    Point(
+                        f"jaxremat optimal @ {budget}",
+                        "matched",
+                        budget=budget,
+                        matches=m.strategy,
+                        note=f"does not fit (least budget {e.min_budget} B)",
+                    )
+                )
             else:
                 p = _schedule_point(f"jaxremat optimal @ {budget}", "matched", sched, x0, matches=m.strategy)
                 points.append(run_schedule(p, sched))
@@ -349,8 +367,15 @@ def compare(
             try:
                 cal = calibrated_solve(costs, budget, measure)
             except InfeasibleBudget as e:
-                points.append(Point(f"jaxremat calibrated @ {budget}", "calibrated", budget=budget,
-                                    matches=m.strategy, note=f"does not fit ({e})"))
+                points.append(
+                    Point(
+                        f"jaxremat calibrated @ {budget}",
+                        "calibrated",
+                        budget=budget,
+                        matches=m.strategy,
+                        note=f"does not fit ({e})",
+                    )
+                )
                 continue
             p = _schedule_point(f"jaxremat calibrated @ {budget}", "calibrated", cal.schedule, x0, matches=m.strategy)
             points.append(run_schedule(p, cal.schedule))

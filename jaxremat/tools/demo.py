@@ -32,7 +32,9 @@ def train(chain: Chain, forward: Any, variables: Any, x: Any, steps: int) -> tup
 
     def loss_fn(params: Any) -> jax.Array:
         y = forward({**variables, **params} if isinstance(variables, dict) else params, x)
-        return sum(jnp.mean((a.astype(jnp.float32) - t) ** 2) for a, t in zip(jax.tree.leaves(y), jax.tree.leaves(target)))
+        return sum(
+            jnp.mean((a.astype(jnp.float32) - t) ** 2) for a, t in zip(jax.tree.leaves(y), jax.tree.leaves(target))
+        )
 
     def update(params: Any, state: Any) -> tuple[Any, Any, jax.Array]:
         loss, g = jax.value_and_grad(loss_fn)(params)
@@ -52,8 +54,17 @@ def train(chain: Chain, forward: Any, variables: Any, x: Any, steps: int) -> tup
 
 
 def run_demo(
-    label: str, model: Any, chain: Chain, variables: Any, x: Any, budget: Any = "50%", *, steps: int = 5,
-    method: str = "measure", quiet: bool = False, calibrate: bool = False,
+    label: str,
+    model: Any,
+    chain: Chain,
+    variables: Any,
+    x: Any,
+    budget: Any = "50%",
+    *,
+    steps: int = 5,
+    method: str = "measure",
+    quiet: bool = False,
+    calibrate: bool = False,
 ) -> None:
     shapes = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", x)
     print(f"jaxremat demo: {label} ({type(model).__name__}, {len(chain)} stages), input {shapes}\n")
@@ -68,14 +79,29 @@ def run_demo(
     losses, per_step = train(chain, lambda v, a: f(v, a)[0], variables, x, steps)
     plain, _ = train(chain, chain.apply, variables, x, steps)
     diff = max(abs(a - c) for a, c in zip(losses, plain))
-    print(f"trained {steps} Adam steps under the plan: loss {losses[0]:.5f} -> {losses[-1]:.5f} "
-          f"({per_step * 1e3:.1f} ms/step); the plain model's losses differ by at most {diff:.2g}\n")
+    print(
+        f"trained {steps} Adam steps under the plan: loss {losses[0]:.5f} -> {losses[-1]:.5f} "
+        f"({per_step * 1e3:.1f} ms/step); the plain model's losses differ by at most {diff:.2g}\n"
+    )
 
     print("measuring the training step under each strategy with XLA (compiled for real remat on the CPU)...")
-    cmp = compare(label, chain, variables, x, costs, budgets=[], algorithms=("optimal",), manual=MANUAL,
-                  match=False, schedules=[p.schedule])
+    cmp = compare(
+        label,
+        chain,
+        variables,
+        x,
+        costs,
+        budgets=[],
+        algorithms=("optimal",),
+        manual=MANUAL,
+        match=False,
+        schedules=[p.schedule],
+    )
     x0 = int(costs.x[0])
-    print(f"\n{'strategy':<34} {'XLA temp':>11} {'predicted':>11} {'flops':>6} {'time':>6}   (flops and time over no remat)")
+    print(
+        f"\n{'strategy':<34} {'XLA temp':>11} {'predicted':>11} {'flops':>6} {'time':>6}   (flops and time over no "
+        "remat)"
+    )
     for q in cmp.points:
         pred = format_bytes(q.predicted_peak) if q.predicted_peak is not None else ""
         name = "jaxremat optimal" if q.kind == "jaxremat" else q.strategy

@@ -99,13 +99,17 @@ class LMHead(nn.Module):
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
-def gpt(blocks: int = 12, width: int = 128, heads: int = 4, vocab: int = 512, *, stacked: bool = False) -> nn.Sequential:
+def gpt(
+    blocks: int = 12, width: int = 128, heads: int = 4, vocab: int = 512, *, stacked: bool = False
+) -> nn.Sequential:
     """A GPT-2-style decoder: token and position embedding, ``blocks`` decoder blocks, a language
     model head. Input: integer tokens ``(B, T)``; output logits ``(B, T, vocab)``.
 
     ``stacked=True`` writes the blocks as one :class:`~jaxremat.Repeat` (parameters stacked, as
     with ``nn.scan``) instead of ``blocks`` separate layers."""
-    body = [Repeat(DecoderBlock(width, heads), blocks)] if stacked else [DecoderBlock(width, heads) for _ in range(blocks)]
+    body = (
+        [Repeat(DecoderBlock(width, heads), blocks)] if stacked else [DecoderBlock(width, heads) for _ in range(blocks)]
+    )
     return nn.Sequential([Embed(vocab, width), *body, LMHead(vocab)])
 
 

@@ -51,26 +51,56 @@ def plot_comparison(cmp: "Comparison", path: str | Path) -> Path:
     timed = [p for p in cmp.points if p.times]
     for algorithm, style in (("optimal", "-o"), ("revolve", "--s"), ("sqrt", "D")):
         pts = sorted(
-            {p.temp: p for p in timed if p.kind == "jaxremat" and p.strategy.startswith(f"jaxremat {algorithm} ")}.values(),
+            {
+                p.temp: p for p in timed if p.kind == "jaxremat" and p.strategy.startswith(f"jaxremat {algorithm} ")
+            }.values(),
             key=lambda p: p.temp,
         )
         if pts:
-            ax.plot([p.temp / MIB for p in pts], [cmp.overhead(p) for p in pts], style, label=f"jaxremat {algorithm}",
-                    ms=4)
+            ax.plot(
+                [p.temp / MIB for p in pts], [cmp.overhead(p) for p in pts], style, label=f"jaxremat {algorithm}", ms=4
+            )
     matched = [p for p in timed if p.kind == "matched"]
     if matched:
-        ax.scatter([p.temp / MIB for p in matched], [cmp.overhead(p) for p in matched], facecolors="none",
-                   edgecolors="C0", s=60, label="jaxremat at a manual strategy's memory", zorder=3)
+        ax.scatter(
+            [p.temp / MIB for p in matched],
+            [cmp.overhead(p) for p in matched],
+            facecolors="none",
+            edgecolors="C0",
+            s=60,
+            label="jaxremat at a manual strategy's memory",
+            zorder=3,
+        )
     calibrated = [p for p in timed if p.kind == "calibrated"]
     if calibrated:
-        ax.scatter([p.temp / MIB for p in calibrated], [cmp.overhead(p) for p in calibrated], color="C2", marker="^",
-                   s=40, label="jaxremat calibrated to a manual strategy's memory", zorder=3)
+        ax.scatter(
+            [p.temp / MIB for p in calibrated],
+            [cmp.overhead(p) for p in calibrated],
+            color="C2",
+            marker="^",
+            s=40,
+            label="jaxremat calibrated to a manual strategy's memory",
+            zorder=3,
+        )
     manual = [p for p in timed if p.kind == "manual"]
-    ax.scatter([p.temp / MIB for p in manual], [cmp.overhead(p) for p in manual], color="C3", marker="x", s=50,
-               label="manual strategies", zorder=4)
+    ax.scatter(
+        [p.temp / MIB for p in manual],
+        [cmp.overhead(p) for p in manual],
+        color="C3",
+        marker="x",
+        s=50,
+        label="manual strategies",
+        zorder=4,
+    )
     for n, p in enumerate(manual):
-        ax.annotate(p.strategy.replace("checkpoint ", "ckpt ").replace("policy ", ""), (p.temp / MIB, cmp.overhead(p)),
-                    textcoords="offset points", xytext=(4, 4 + 7 * (n % 3)), fontsize=7, color="C3")
+        ax.annotate(
+            p.strategy.replace("checkpoint ", "ckpt ").replace("policy ", ""),
+            (p.temp / MIB, cmp.overhead(p)),
+            textcoords="offset points",
+            xytext=(4, 4 + 7 * (n % 3)),
+            fontsize=7,
+            color="C3",
+        )
     ax.set_xlabel("XLA temp memory of the training step (MiB)")
     ax.set_ylabel("step time over no remat (measured)")
     ax.set_title(cmp.model, fontsize=10)
