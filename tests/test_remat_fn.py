@@ -321,6 +321,50 @@ def test_constants_are_recomputed_where_read_not_held():
     np.testing.assert_allclose(jax.grad(f)(*args), jax.grad(loss)(*args), rtol=1e-6, atol=1e-7)
 
 
+def test_a_users_checkpoint_recomputed_alone_runs_as_its_body():
+    # a stage holding the user's nn.remat, recomputed alone by the schedule, runs the block's
+    # body: kept, XLA holds one activation more (the checkpoint's own copy); gradients the same
+    import dataclasses
+
+    from outside_models import linen_cnn
+
+    from jaxremat.solvers.baselines import every_stage
+
+    case = linen_cnn(shape=(4, 16, 16, 3))
+    closed, _, _ = trace(lambda *args: case.loss(*args)[0], case.args)
+    traced = JaxprChain.of(closed)
+    assert sum(s.unwrapped is not None for s in traced.chain.stages) == 2  # its two nn.remat blocks
+    L = len(traced.chain)
+    costs = jr.ChainCosts(fwd=[1.0] * L, bwd=[2.0] * L, x=[1] * (L + 1), xbar=[2] * L, fwd_tmp=[0] * L, bwd_tmp=[0] * L)
+    sched = jr.Schedule.from_ops(costs, every_stage(L), budget=None, algorithm="every_stage")
+    flat = jax.tree.leaves(case.args)
+    diff = list(range(len(jax.tree.leaves(case.args[0]))))
+
+    def temp_and_grads(chain):
+        forward = jr.execute(chain, sched)
+
+        def f(p, flat):
+            full = list(flat)
+            for n, v in zip(diff, p):
+                full[n] = v
+            return forward(traced.variables(full), ())[0][0]
+
+        g = jax.jit(jax.grad(f), compiler_options=jr.compiler_options())
+        p = [flat[n] for n in diff]
+        return g.lower(p, flat).compile().memory_analysis().temp_size_in_bytes, g(p, flat)
+
+    stages = tuple(dataclasses.replace(s, unwrapped=None) for s in traced.chain.stages)
+    (t_body, g_body), (t_kept, g_kept) = (
+        temp_and_grads(traced.chain),
+        temp_and_grads(dataclasses.replace(traced.chain, stages=stages)),
+    )
+    ref = jax.grad(lambda *args: case.loss(*args)[0])(*case.args)
+    for a, b, c in zip(g_body, g_kept, jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(b, c, rtol=1e-4, atol=1e-6)
+    assert t_body < t_kept, (t_body, t_kept)
+
+
 def test_decorator_forms_and_bad_input():
     loss, args = dict_case()
     f = jr.remat("50%", method="xla")(loss)

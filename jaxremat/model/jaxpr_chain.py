@@ -59,10 +59,19 @@ from jaxremat.model.stage import Stage
 # -- the chain -----------------------------------------------------------------------------------
 
 
-def _evaluate(eqns: Sequence[Any], env: dict) -> None:
-    """Evaluate ``eqns`` in order, reading and writing ``env`` (Var -> value)."""
+def _evaluate(eqns: Sequence[Any], env: dict, inline: bool = False) -> None:
+    """Evaluate ``eqns`` in order, reading and writing ``env`` (Var -> value). ``inline``: the
+    function's own ``jax.checkpoint`` blocks run as their bodies (see :class:`JaxprChain`)."""
     read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
     for e in eqns:
+        body = e.params.get("jaxpr") if inline and e.primitive.name in REMAT_PRIMITIVES else None
+        if body is not None and not body.constvars:
+            inner = dict(zip(body.invars, [read(v) for v in e.invars]))
+            _evaluate(body.eqns, inner, inline)
+            for v, w in zip(e.outvars, body.outvars):
+                if _is_var(v):
+                    env[v] = w.val if isinstance(w, jcore.Literal) else inner[w]
+            continue
         bound = e.primitive.get_bind_params(e.params)  # jax >= 0.7: the params; before: (subfuns, params)
         subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
         ctx = getattr(getattr(e, "ctx", None), "manager", None)
@@ -206,15 +215,21 @@ class JaxprChain:
         p = self.plans[k]
         consts = self.consts
 
-        def apply(variables: dict, a: tuple, rngs: Any) -> tuple[Any, dict]:
+        def run(variables: dict, a: tuple, inline: bool) -> tuple[Any, dict]:
             env = dict(consts)
             env.update(zip((self.invars[j] for j in p.params), variables["params"]))
             env.update(zip((self.invars[j] for j in p.inputs), variables["inputs"]))
             env.update(zip(p.context, variables["context"]))
             env.update(zip(p.acts_in, a))
-            _evaluate(p.eqns, env)
+            _evaluate(p.eqns, env, inline)
             read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
             return tuple(read(v) for v in p.outs), {}
+
+        def apply(variables: dict, a: tuple, rngs: Any) -> tuple[Any, dict]:
+            return run(variables, a, False)
+
+        def unwrapped(variables: dict, a: tuple, rngs: Any) -> tuple[Any, dict]:
+            return run(variables, a, True)
 
         name = self.cuts.names[k]
         return Stage(
@@ -222,6 +237,7 @@ class JaxprChain:
             name.split("/")[-1] or "stage",
             apply,
             key=function_key(apply) + ":" + stage_digest(p, self.invars),
+            unwrapped=unwrapped if any(e.primitive.name in REMAT_PRIMITIVES for e in p.eqns) else None,
         )
 
     def variables(self, flat: Sequence[Any]) -> list[dict]:

@@ -19,12 +19,14 @@ class Env:
     ``variables`` by stage, the ``offset`` of their copy index (iteration ``u`` of a loop over
     ``p`` stages runs copies ``u * p + ...``, whose keys are folded with that index), and
     ``keys`` by stage (a region's stages get their keys as inputs); ``at_input``: a region's
-    stages start at the chain's input, whose cotangent is dead."""
+    stages start at the chain's input, whose cotangent is dead; ``alone``: a region of one stage
+    (its stage runs :attr:`~jaxremat.model.stage.Stage.unwrapped` where it has one)."""
 
     variables: dict[int, Any]
     offset: Any = 0
     keys: dict[int, Any] | None = None
     at_input: bool = False
+    alone: bool = False
 
 
 @dataclass(frozen=True)

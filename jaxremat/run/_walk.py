@@ -92,7 +92,9 @@ class Walker:
         plan alternating blocks stored whole and under ``dots_saveable`` was predicted 20.80 MiB
         and used 22.27, 20.56 sealed. Not everywhere: between stages stored whole, the fusion
         saves memory (a store-all step of 6 small residual blocks used 4.18 MiB, 4.78 sealed)."""
-        apply = self.chain.stages[i].apply
+        stage = self.chain.stages[i]
+        # recomputed alone: the user's own checkpoint inside would only run its forward again
+        apply = stage.unwrapped if env is not None and env.alone and stage.unwrapped else stage.apply
         if option:
             apply = jax.checkpoint(apply, policy=self.policies[(i, option)])
         bundle, inputs = top and ("abar", i) in self.offloaded, top and ("a", i) in self.offloaded
@@ -152,7 +154,16 @@ class Walker:
             local: dict = {}
             tapped = None if token is None else (tap_at, token)
             marks: list | None = [] if inner else None  # the mark orders an inner region's kernel reads
-            out = self.run(unit.inner, unit.stop, a, local, Env(owned, 0, owned_keys, at_input), first, tapped, marks)
+            out = self.run(
+                unit.inner,
+                unit.stop,
+                a,
+                local,
+                Env(owned, 0, owned_keys, at_input, alone=unit.stop - unit.start == 1),
+                first,
+                tapped,
+                marks,
+            )
             return out, local, marks[0] if marks else None
 
         warn_unless_planned(stacklevel=7)
