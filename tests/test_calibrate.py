@@ -71,3 +71,32 @@ def test_a_plan_packed_over_is_replaced_by_the_next_best():
     cal = calibrated_solve(costs, budget, measure, tries=5)
     assert cal.measured_peak <= budget
     assert cal.schedule.time == second.time, (cal.tries, second.peak)
+
+
+def test_verification_takes_a_schedule_measured_at_another_budget():
+    # XLA keeps what the model predicts, except for one schedule it keeps far less of: measured at
+    # a low budget, it meets a higher one that nothing tried there meets (no compile again)
+    from jaxremat.api.verify import Measured, verify
+    from jaxremat.solvers.baselines import every_stage
+
+    L = 6
+    c = jr.ChainCosts(fwd=[1.0] * L, bwd=[2.0] * L, x=[100] * (L + 1), xbar=[300] * L, fwd_tmp=[0] * L, bwd_tmp=[0] * L)
+    lean = tuple(every_stage(L))
+    compiles = []
+
+    def measure(s):
+        compiles.append(s.ops)
+        return Measured(s.peak // 2 if tuple(s.ops) == lean else s.peak + 10**6, 1.0)
+
+    earlier = {}
+    plan = jr.Schedule.from_ops(c, list(lean), budget=None, algorithm="every_stage")
+    target = plan.peak // 2
+    got, found = verify(c, target, plan, measure, compare_hand=False, earlier=earlier)
+    assert tuple(got.ops) == lean and found.measured_peak <= target
+    other = jr.solve(c, "80%")
+    n = len(compiles)
+    with pytest.raises(jr.InfeasibleBudget, match="least memory"):
+        verify(c, target - 1, other, measure, compare_hand=False)  # without what was measured before
+    got, found = verify(c, target + 1, other, measure, compare_hand=False, earlier=earlier, tries=1)
+    assert tuple(got.ops) == lean and found.measured_peak <= target + 1 and "another budget" in found.chosen
+    assert compiles.count(lean) == 1 and len(compiles) > n

@@ -147,17 +147,21 @@ class RematFunction:
         max_stages: int,
         options: PlanOptions,
         costs: dict[str, ChainCosts] | None = None,
+        measured: dict[str, dict] | None = None,
     ):
         if not callable(fun):
             raise TypeError(f"jaxremat.remat needs a function, got {type(fun).__name__}")
         self.fun, self.budget, self.stages, self.max_stages, self.options = fun, budget, stages, max_stages, options
         self._costs: dict[str, ChainCosts] = {} if costs is None else costs  # shared with with_budget
+        # the schedules verification compiled, by signature: shared with with_budget too, so that a
+        # budget is met by a schedule measured for another (verify's ``earlier``)
+        self._measured: dict[str, dict] = {} if measured is None else measured
         self._prepared: dict[str, _Prepared] = {}
         functools.update_wrapper(self, fun)
 
     def with_budget(self, budget: Budget) -> "RematFunction":
         """The same function planned for ``budget``, sharing this one's profiles."""
-        return RematFunction(self.fun, budget, self.stages, self.max_stages, self.options, self._costs)
+        return RematFunction(self.fun, budget, self.stages, self.max_stages, self.options, self._costs, self._measured)
 
     def _prepare(self, args: tuple) -> _Prepared:
         leaves, tree = jax.tree.flatten(args)
@@ -224,7 +228,7 @@ class RematFunction:
         # the first argument's traced leaves: what the verification step differentiates
         first = sum(1 for n in dynamic if n < len(jax.tree.leaves(args[0]))) if args else 0
         t3 = time.perf_counter()
-        plan = self._verified(plan, traced, flat, first)
+        plan = self._verified(plan, traced, flat, first, self._measured.setdefault(key, {}))
         setup = SetupTime(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         note = (
             f"{traced.cuts.count} stages cut by {traced.cuts.how}; held for the whole step: "
@@ -234,7 +238,10 @@ class RematFunction:
             note += f"; {len(static)} static input leaves (not arrays) passed through as they are"
         if traced.user_remat:
             names = ", ".join(traced.chain.stages[k].name for k in traced.user_remat)
-            note += f"; your own jax.checkpoint / nn.remat kept as written inside stage(s) {names}"
+            note += (
+                f"; your own jax.checkpoint / nn.remat inside stage(s) {names}: kept as written where the stage is "
+                "stored, run as its body where the stage is recomputed alone"
+            )
         sched = plan.schedule
         plan = dataclasses.replace(
             plan, schedule=dataclasses.replace(sched, note=f"{sched.note}; {note}" if sched.note else note), setup=setup
@@ -243,8 +250,9 @@ class RematFunction:
         self._prepared[key] = found
         return found
 
-    def _verified(self, plan: Plan, traced: JaxprChain, flat: list, first: int) -> Plan:
-        """``plan`` checked by XLA (:func:`~jaxremat.api.verify.verify`), corrected if over."""
+    def _verified(self, plan: Plan, traced: JaxprChain, flat: list, first: int, earlier: dict) -> Plan:
+        """``plan`` checked by XLA (:func:`~jaxremat.api.verify.verify`), corrected if over;
+        ``earlier``: the schedules compiled for this signature at other budgets."""
         o = self.options
         if o.verify is False or o.calibrate or canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
             return plan
@@ -262,6 +270,7 @@ class RematFunction:
             algorithm=o.algorithm,
             slots=o.slots,
             blocks=user_blocks(traced.chain, traced.cuts, costs),
+            earlier=earlier,
         )
         return Plan(sched, plan.signature, found)
 

@@ -140,9 +140,9 @@ class ChainCosts:
             object.__setattr__(self, "names", names)
         # FB i left out: what Fall i; B i costs (contract version 1)
         fb = self.fwd + self.bwd if self.fb is None else self.fb
-        fb_tmp = (
-            self.xbar + np.maximum(self.fwd_tmp - self.x[:-1], self.bwd_tmp) if self.fb_tmp is None else self.fb_tmp
-        )
+        fb_tmp = self.fb_tmp
+        if fb_tmp is None:
+            fb_tmp = self.xbar + np.maximum(self.fwd_tmp - self.x[:-1], self.bwd_tmp)
         for name, value in (("fb", fb), ("fb_tmp", fb_tmp)):
             arr = _as_array(name, value, integral=name == "fb_tmp")
             if len(arr) != n:
@@ -159,16 +159,14 @@ class ChainCosts:
         for i in np.flatnonzero(self.unread > np.minimum(self.xbar, self.x[1:])):
             raise ValueError(
                 f"ChainCosts.unread[{i}] = {self.unread[i]} is more than stage {i}'s output or bundle "
-                f"(x[{i + 1}] = {self.x[i + 1]}, xbar[{i}] = {self.xbar[i]}): it counts output bytes the backward "
-                "does not read"
+                f"(x[{i + 1}] = {self.x[i + 1]}, xbar[{i}] = {self.xbar[i]}): "
+                "it counts output bytes the backward does not read"
             )
         for i, per in enumerate(self.options or ()):
             for k, o in enumerate(per):
                 if o.unread > self.x[i + 1]:
-                    raise ValueError(
-                        f"ChainCosts.options[{i}][{k}] ({o.name}): unread = {o.unread} is more than stage "
-                        f"{i}'s output (x[{i + 1}] = {self.x[i + 1]})"
-                    )
+                    raise ValueError(f"ChainCosts.options[{i}][{k}] ({o.name}): unread = {o.unread} is more than stage "
+                                     f"{i}'s output (x[{i + 1}] = {self.x[i + 1]})")
         for v in self.shared:  # a bundle holds its output's new shared values
             made = v.first - 1
             for k in range(self.option_count(made)):
@@ -259,20 +257,15 @@ class ChainCosts:
         if not 0 <= k < self.option_count(i):
             raise ValueError(f"stage {i} has {self.option_count(i)} store option(s); there is no option {k}")
         if k == 0:
-            return StageOption(
-                STORE_ALL, int(self.xbar[i]), float(self.bwd[i]), int(self.bwd_tmp[i]), unread=int(self.unread[i])
-            )
+            return StageOption(STORE_ALL, int(self.xbar[i]), float(self.bwd[i]), int(self.bwd_tmp[i]),
+                               unread=int(self.unread[i]))
         return self.options[i][k - 1]
 
     @functools.cached_property
     def option_table(self) -> tuple[tuple[tuple[int, float, int, int], ...], ...]:
         """Per stage, per option: ``(xbar, bwd, bwd_tmp, unread)`` (for the simulator's inner loop)."""
-        return tuple(
-            tuple(
-                (o.xbar, o.bwd, o.bwd_tmp, o.unread) for o in (self.option(i, k) for k in range(self.option_count(i)))
-            )
-            for i in range(self.length)
-        )
+        options = [[self.option(i, k) for k in range(self.option_count(i))] for i in range(self.length)]
+        return tuple(tuple((o.xbar, o.bwd, o.bwd_tmp, o.unread) for o in stage) for stage in options)
 
     def option_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(K, L)`` arrays of every option's ``xbar``, ``bwd``, ``bwd_tmp``, ``unread`` (``K`` =
@@ -283,13 +276,8 @@ class ChainCosts:
         for i in range(L):
             for k in range(self.option_count(i)):
                 o = self.option(i, k)
-                xbar[k, i], bwd[k, i], bwd_tmp[k, i], unread[k, i], exists[k, i] = (
-                    o.xbar,
-                    o.bwd,
-                    o.bwd_tmp,
-                    o.unread,
-                    True,
-                )
+                xbar[k, i], bwd[k, i], bwd_tmp[k, i], unread[k, i] = o.xbar, o.bwd, o.bwd_tmp, o.unread
+                exists[k, i] = True
         return xbar, bwd, bwd_tmp, unread, exists
 
     def __repr__(self) -> str:
@@ -326,15 +314,9 @@ class ChainCosts:
         if missing:
             raise ValueError(f"ChainCosts.from_dict: missing field(s) {missing}")
         return cls(
-            **{f: d[f] for f in FIELDS},
-            names=d.get("names"),
-            **{f: d.get(f) for f in OPTIONAL_FIELDS + V2_FIELDS},
-            options=d.get("options"),
-            devices=int(d.get("devices", 1)),
-            shared=d.get("shared", ()),
-            held=d.get("held"),
-            fb_reuse=d.get("fb_reuse"),
-            unread=d.get("unread"),
+            **{f: d[f] for f in FIELDS}, names=d.get("names"), **{f: d.get(f) for f in OPTIONAL_FIELDS + V2_FIELDS},
+            options=d.get("options"), devices=int(d.get("devices", 1)), shared=d.get("shared", ()), held=d.get("held"),
+            fb_reuse=d.get("fb_reuse"), unread=d.get("unread"),
         )
 
     @classmethod
@@ -364,17 +346,8 @@ class ChainCosts:
         ``time_unit``: "s", "ms" or "us"), ``FB``'s time and bytes, the store options, when known
         forward and backward GFLOP, and where any the output bytes a backward does not read."""
         scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
-        head = [
-            "stage",
-            "x (out)",
-            "xbar",
-            "fwd_tmp",
-            "bwd_tmp",
-            f"fwd {time_unit}",
-            f"bwd {time_unit}",
-            f"FB {time_unit}",
-            "FB tmp",
-        ]
+        head = ["stage", "x (out)", "xbar", "fwd_tmp", "bwd_tmp", f"fwd {time_unit}", f"bwd {time_unit}",
+                f"FB {time_unit}", "FB tmp"]
         flops = self.fwd_flops is not None and self.bwd_flops is not None
         if flops:
             head += ["fwd GFLOP", "bwd GFLOP"]
@@ -386,46 +359,33 @@ class ChainCosts:
         rows = [head]
         for i in range(self.length):
             row = [
-                self.stage_name(i),
-                format_bytes(self.x[i + 1]),
-                format_bytes(self.xbar[i]),
-                format_bytes(self.fwd_tmp[i]),
-                format_bytes(self.bwd_tmp[i]),
-                f"{scale * self.fwd[i]:.4g}",
-                f"{scale * self.bwd[i]:.4g}",
-                f"{scale * self.fb[i]:.4g}",
-                format_bytes(self.fb_tmp[i]),
+                self.stage_name(i), format_bytes(self.x[i + 1]), format_bytes(self.xbar[i]),
+                format_bytes(self.fwd_tmp[i]), format_bytes(self.bwd_tmp[i]),
+                f"{scale * self.fwd[i]:.4g}", f"{scale * self.bwd[i]:.4g}",
+                f"{scale * self.fb[i]:.4g}", format_bytes(self.fb_tmp[i]),
             ]
             if flops:
                 row += [f"{self.fwd_flops[i] / 1e9:.4g}", f"{self.bwd_flops[i] / 1e9:.4g}"]
             if unread:
                 row.append(format_bytes(self.unread[i]))
             if self.options is not None:
-                row.append(
-                    "; ".join(
-                        f"{o.name} {format_bytes(o.xbar)} / {scale * o.bwd:.4g} / {format_bytes(o.bwd_tmp)}"
-                        + (f" / {format_bytes(o.unread)}" if o.unread else "")
-                        for o in self.options[i]
-                    )
-                )
+                row.append("; ".join(
+                    f"{o.name} {format_bytes(o.xbar)} / {scale * o.bwd:.4g} / {format_bytes(o.bwd_tmp)}"
+                    + (f" / {format_bytes(o.unread)}" if o.unread else "")
+                    for o in self.options[i]
+                ))
             rows.append(row)
         widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.insert(
-            0,
-            f"input a_0: {format_bytes(self.x[0])}"
-            + (
-                f"; made from constants at the step's start, held until each backward: {format_bytes(self.held.sum())}"
-                if self.held.any()
-                else ""
-            ),
-        )
+        lines.insert(0, f"input a_0: {format_bytes(self.x[0])}"
+                     + (f"; made from constants at the step's start, held until each backward: "
+                        f"{format_bytes(self.held.sum())}" if self.held.any() else ""))
         for v in self.shared:
-            lines.append(
-                f"shared{' ' + v.name if v.name else ''}: {format_bytes(v.nbytes)} in a_{v.first} .. a_{v.last}"
-            )
+            name = f" {v.name}" if v.name else ""
+            lines.append(f"shared{name}: {format_bytes(v.nbytes)} in a_{v.first} .. a_{v.last}")
         return "\n".join(lines)
 
     def stage_name(self, i: int) -> str:
         return self.names[i] if self.names is not None else f"stage {i}"
+

@@ -59,25 +59,8 @@ class Machine:
     """
 
     __slots__ = (
-        "costs",
-        "L",
-        "a",
-        "abar",
-        "delta",
-        "next_b",
-        "loss_done",
-        "cur",
-        "time",
-        "bandwidth",
-        "offloading",
-        "on_host",
-        "prefetching",
-        "links",
-        "host_spans",
-        "stall",
-        "refs",
-        "P",
-        "read",
+        "costs", "L", "a", "abar", "delta", "next_b", "loss_done", "cur", "time",
+        "bandwidth", "offloading", "on_host", "prefetching", "links", "host_spans", "stall", "refs", "P", "read",
         "moved",
     )
 
@@ -117,15 +100,8 @@ class Machine:
 
     def key(self) -> tuple:
         """A hashable summary of the state (for searches; without transfers' timing)."""
-        return (
-            frozenset(self.a),
-            frozenset(self.abar.items()),
-            self.delta,
-            self.next_b,
-            self.loss_done,
-            frozenset(self.read),
-            frozenset(self.moved),
-        )
+        return (frozenset(self.a), frozenset(self.abar.items()), self.delta, self.next_b, self.loss_done,
+                frozenset(self.read), frozenset(self.moved))
 
     def a_live(self, i: int) -> bool:
         return i == 0 or i in self.a or (i - 1) in self.abar
@@ -325,9 +301,9 @@ class Machine:
         if not self.loss_done:
             raise fail("a backward op before Loss")
         if i != self.next_b:
-            expected = (
-                f"the backward of stage {self.next_b}" if self.next_b >= 0 else "nothing (all backward ops are done)"
-            )
+            expected = "nothing (all backward ops are done)"
+            if self.next_b >= 0:
+                expected = f"the backward of stage {self.next_b}"
             raise fail(f"backward ops run once each in order L-1..0; expected {expected}")
         if self.delta != i + 1:
             raise fail(f"delta_{i + 1} is not live")

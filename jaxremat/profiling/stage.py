@@ -72,17 +72,8 @@ def _split_params(v: dict) -> tuple[Any, dict]:
     return v.get("params", {}), {k: t for k, t in v.items() if k != "params"}
 
 
-_HLO_TYPES = {
-    "float32": "f32",
-    "float16": "f16",
-    "bfloat16": "bf16",
-    "float64": "f64",
-    "int32": "s32",
-    "int64": "s64",
-    "int8": "s8",
-    "uint8": "u8",
-    "bool": "pred",
-}
+_HLO_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int32": "s32",
+              "int64": "s64", "int8": "s8", "uint8": "u8", "bool": "pred"}
 
 
 def hlo_shape(s: Any) -> str:
@@ -124,8 +115,8 @@ def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = Fals
     """``xbar``: the bytes XLA keeps from the stage's forward for its backward, plus its output.
 
     Compiled as forward, an optimisation barrier on (output, cotangent), backward, and read from
-    the buffers live across it (:func:`~jaxremat.profiling.xla_buffers.live_across_barrier`; the stage input's leaves
-    are the
+    the buffers live across it (:func:`~jaxremat.profiling.xla_buffers.live_across_barrier`; the stage
+    input's leaves are the
     activations there, and its parameters the kernels where the executor does not order their
     reads after the cotangent). ``step_input``: the stage is the chain's first, its input the
     step's argument (copies of it count).
@@ -168,7 +159,6 @@ def scan_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: 
     ``jax.vjp`` that are not the stage's inputs (parameters are scanned inputs, handed to the
     backward loop as they are; the input is the previous stage's output), plus the output.
     """
-
     def residuals(p, x, r, k):
         out, pull = jax.vjp(lambda p, x: g(p, x, r, k), p, x)
         return jax.tree.leaves(pull), out
@@ -186,9 +176,8 @@ def scan_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: 
     return tree_bytes([shapes[n] for n in kept.values()])
 
 
-def _backward(
-    g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_shape: Any, input_grad: bool, scanned: bool
-):
+def _backward(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_shape: Any, input_grad: bool,
+              scanned: bool):
     """For ``g`` (the stage, or the stage under a checkpoint policy): the bytes kept for its
     backward (output included), the compiled backward (from the residuals and the cotangent), its
     transient bytes, the pullback, and the output bytes the backward does not read."""
@@ -220,9 +209,8 @@ def _backward(
     return int(xbar), bwd_c, int(bwd_tmp), pullback, unread
 
 
-def _with_loss(
-    g: Callable, loss: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, input_grad: bool, out_bytes: int
-) -> Callable[[Callable], int]:
+def _with_loss(g: Callable, loss: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, input_grad: bool,
+               out_bytes: int) -> Callable[[Callable], int]:
     """For the chain's last stage: ``fused(gk)``, the bytes that the stage ``gk`` (the stage, or the
     stage under a checkpoint policy) followed by ``loss`` needs in one program, its forward, the
     loss and its backward, beyond the stage input and parameters, ``delta_L`` and ``delta_{L-1}``:
@@ -274,16 +262,8 @@ def _from_residuals(pullback: Callable) -> Callable[..., Program]:
 
 
 def profile_stage(
-    st: Stage,
-    variables: dict,
-    a_shape: Any,
-    *,
-    method: str,
-    rates: Rates | None,
-    repeats: int = 5,
-    input_grad: bool = True,
-    scanned: bool = False,
-    policies: dict[str, Callable] | None = None,
+    st: Stage, variables: dict, a_shape: Any, *, method: str, rates: Rates | None, repeats: int = 5,
+    input_grad: bool = True, scanned: bool = False, policies: dict[str, Callable] | None = None,
     loss: Callable | None = None,
 ) -> tuple[StageProfile, StageTimes | None]:
     """Measure one stage: stored whole, under each checkpoint policy of ``policies`` (its store
@@ -294,8 +274,8 @@ def profile_stage(
 
     ``FB``'s bytes are the transient bytes of the stage's forward and backward compiled as one
     program (beyond its inputs and outputs, inputs credited once XLA frees them but not for an
-    output written over a dying input), its time that program's. With ``method="measure"`` every program is timed in
-    interleaved rounds
+    output written over a dying input), its time that program's. With ``method="measure"`` every
+    program is timed in interleaved rounds
     (:mod:`~jaxremat.profiling.timing`): the forward, the backward from its residuals, ``FB``, and
     each option's backward.
 
@@ -323,13 +303,7 @@ def profile_stage(
     before = len(jax.tree.leaves((params, a_shape, rest, rng)))
     cot_params = range(before, before + len(jax.tree.leaves(cot_shape)))
     fb_c, fb_tmp, fb_reuse, held = fused_bytes(
-        lambda p, x, r, k, c: pullback(p, x, r, k)(c),
-        params,
-        a_shape,
-        rest,
-        rng,
-        cot_shape,
-        reuse=cot_params,
+        lambda p, x, r, k, c: pullback(p, x, r, k)(c), params, a_shape, rest, rng, cot_shape, reuse=cot_params,
         constants=[hlo_shape(s) for s in jax.tree.leaves((a_shape, params) if input_grad else params)],
     )
     if scanned:
@@ -342,9 +316,8 @@ def profile_stage(
         gk = jax.checkpoint(g, policy=policy)
         # policies that save the same residuals here (dots_saveable and
         # dots_with_no_batch_dims_saveable on a stage without batched matmuls) are measured once
-        program = str(
-            jax.make_jaxpr(lambda p, x, r, k: jax.vjp(lambda p, x: gk(p, x, r, k), p, x))(params, a_shape, rest, rng)
-        )
+        vjp = lambda p, x, r, k: jax.vjp(lambda p, x: gk(p, x, r, k), p, x)  # noqa: E731
+        program = str(jax.make_jaxpr(vjp)(params, a_shape, rest, rng))
         if program not in by_program:
             by_program[program] = _backward(gk, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
         opts[name] = by_program[program]
@@ -402,28 +375,12 @@ def profile_stage(
             opts[name] = (o[0], o[1], tmp, o[3], unr)
     shape_txt = str(jax.tree.map(lambda s: tuple(s.shape), out_shape))
     prof = StageProfile(
-        name=st.name,
-        kind=st.kind,
-        out_shape=shape_txt,
-        x_out=tree_bytes(out_shape),
-        xbar=xbar,
-        fwd_tmp=fwd_tmp,
-        bwd_tmp=bwd_tmp,
-        fwd_flops=ff,
-        bwd_flops=bf,
-        fwd_bytes=fbytes,
-        bwd_bytes=bb,
-        fwd_time=ft,
-        bwd_time=bt,
-        fb_time=fbt,
-        fb_tmp=int(fb_tmp),
-        fb_flops=fbf,
-        held=int(held),
-        fb_reuse=int(fb_reuse),
-        unread=unread,
+        name=st.name, kind=st.kind, out_shape=shape_txt, x_out=tree_bytes(out_shape), xbar=xbar,
+        fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp,
+        fwd_flops=ff, bwd_flops=bf, fwd_bytes=fbytes, bwd_bytes=bb, fwd_time=ft, bwd_time=bt,
+        fb_time=fbt, fb_tmp=int(fb_tmp), fb_flops=fbf, held=int(held), fb_reuse=int(fb_reuse), unread=unread,
         options=tuple(
-            OptionProfile(name, o[0], o[2], costs[name][0], costs[name][1], opt_t[name], o[4])
-            for name, o in opts.items()
+            OptionProfile(name, o[0], o[2], *costs[name][:2], opt_t[name], o[4]) for name, o in opts.items()
         ),
     )
     return prof, timer
@@ -432,16 +389,10 @@ def profile_stage(
 def with_times(prof: StageProfile, times: StageTimes) -> StageProfile:
     """``prof`` with the times (and flags) of ``times``."""
     options = tuple(dataclasses.replace(o, bwd_time=times.option(o.name)) for o in prof.options)
-    return dataclasses.replace(
-        prof, fwd_time=times.forward, bwd_time=times.backward, fb_time=times.fused, options=options, flags=times.flags
-    )
+    return dataclasses.replace(prof, fwd_time=times.forward, bwd_time=times.backward, fb_time=times.fused,
+                               options=options, flags=times.flags)
 
 
 __all__ = [
-    "OptionProfile",
-    "StageProfile",
-    "kept_bytes",
-    "profile_stage",
-    "scan_residual_bytes",
-    "with_times",
+    "OptionProfile", "StageProfile", "kept_bytes", "profile_stage", "scan_residual_bytes", "with_times",
 ]

@@ -64,13 +64,8 @@ def buffer_slots(folder: str, kinds: tuple[str, ...] = ("temp", "output")) -> di
         if alloc:
             number, flags = int(alloc.group(1)), alloc.group(2)
             kind = (
-                "parameter"
-                if "parameter" in flags
-                else "constant"
-                if "constant" in flags
-                else "output"
-                if "live-out" in flags or "output" in flags
-                else "temp"
+                "parameter" if "parameter" in flags else "constant" if "constant" in flags
+                else "output" if "live-out" in flags or "output" in flags else "temp"
             )
             continue
         if line.startswith("BufferAssignment stats") or line.startswith("Total bytes"):
@@ -138,9 +133,8 @@ def _peak(
     for slot, hi in ending:
         for other in starting.get((slot.allocation, hi), []):
             if other is not slot:  # written over this one as it dies
-                live[hi] -= max(
-                    0, min(slot.offset + slot.size, other.offset + other.size) - max(slot.offset, other.offset)
-                )
+                both = min(slot.offset + slot.size, other.offset + other.size) - max(slot.offset, other.offset)
+                live[hi] -= max(0, both)
     return live
 
 
@@ -185,23 +179,8 @@ _OPERANDS = re.compile(r"\s[a-z][\w\-]*\((%[^)]*)\)")
 _SHAPE = re.compile(r"=\s*(\S+)\s")
 
 
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "f16": 2,
-    "bf16": 2,
-    "s16": 2,
-    "u16": 2,
-    "f32": 4,
-    "s32": 4,
-    "u32": 4,
-    "f64": 8,
-    "s64": 8,
-    "u64": 8,
-    "c64": 8,
-    "c128": 16,
-}
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 
 
 def shape_bytes(shape: str) -> int:
@@ -243,11 +222,7 @@ def _values(folder: str) -> dict[str, _Value]:
             number = re.search(r" parameter\((\d+)\)", text)
             shape = _SHAPE.search(line)
             out[name] = _Value(
-                operands,
-                uses,
-                leaf,
-                int(number.group(1)) if number else None,
-                shape.group(1) if shape else "",
+                operands, uses, leaf, int(number.group(1)) if number else None, shape.group(1) if shape else "",
                 "kind=kLoop" in text,
             )
             mode = None
@@ -257,10 +232,7 @@ def _values(folder: str) -> dict[str, _Value]:
 
 
 def live_across_barrier(
-    folder: str,
-    activations: Collection[int] = (),
-    parameters: Collection[int] = (),
-    step_input: bool = False,
+    folder: str, activations: Collection[int] = (), parameters: Collection[int] = (), step_input: bool = False,
 ) -> int:
     """Bytes of the buffers (not parameters) whose live range spans every optimisation barrier.
 
@@ -287,9 +259,7 @@ def live_across_barrier(
     keeps, and the policy that recomputes it no better.
     """
     seq, ranges = _live_ranges(folder)
-    barriers = [
-        i for i, name in enumerate(seq) if name.startswith("optimization_barrier") or name.startswith("opt-barrier")
-    ]
+    barriers = [i for i, name in enumerate(seq) if name.startswith(("optimization_barrier", "opt-barrier"))]
     if not barriers:
         raise RuntimeError("no optimization barrier survived compilation; was cse_barrier_expander disabled?")
     first, last = min(barriers), max(barriers)
@@ -318,10 +288,8 @@ def live_across_barrier(
             and all(position.get(u, -1) > last for u in v.uses)
             # made from constants alone (zeros a gradient is scattered into): the whole step makes
             # them at its start whatever the schedule, counted in ChainCosts.held instead
-            and (
-                shape_bytes(v.shape) <= sum(shape_bytes(values[o].shape) for o in v.operands)
-                or all(o in consts for o in v.operands)
-            )
+            and (shape_bytes(v.shape) <= sum(shape_bytes(values[o].shape) for o in v.operands)
+                 or all(o in consts for o in v.operands))
         )
 
     # an input the backward reads itself, not only through derived copies, stays live anyway
@@ -329,12 +297,9 @@ def live_across_barrier(
 
     def movable(key: str) -> bool:
         name = key.split("{")[0]
-        return (
-            derived(name)
-            and not any(o in read_after for o in values[name].operands)
-            and not any(o in kernels for o in values[name].operands)
-            and not (step_input and any(o in inputs for o in values[name].operands))
-        )
+        return (derived(name) and not any(o in read_after for o in values[name].operands)
+                and not any(o in kernels for o in values[name].operands)
+                and not (step_input and any(o in inputs for o in values[name].operands)))
 
     sizes = buffer_sizes(folder)
     return sum(
@@ -345,12 +310,8 @@ def live_across_barrier(
 
 
 def bytes_kept_across_barrier(
-    fn: Callable,
-    *args: Any,
-    options: dict | None = None,
-    activations: Collection[int] = (),
-    parameters: Collection[int] = (),
-    step_input: bool = False,
+    fn: Callable, *args: Any, options: dict | None = None, activations: Collection[int] = (),
+    parameters: Collection[int] = (), step_input: bool = False,
 ) -> tuple[Any, int]:
     """Compile ``fn`` (which must hold an optimisation barrier) and return (compiled, bytes kept
     across the barrier; ``activations`` as for :func:`live_across_barrier`, numbered over the
@@ -397,11 +358,7 @@ def _compiled_and(
 
 
 def transient_bytes(
-    fn: Callable,
-    *args: Any,
-    options: dict | None = None,
-    outputs: bool = False,
-    reuse: bool | Collection[int] = True,
+    fn: Callable, *args: Any, options: dict | None = None, outputs: bool = False, reuse: bool | Collection[int] = True,
 ) -> tuple[Any, int]:
     """Compile ``fn`` and return (compiled, :func:`transient_beyond_inputs` of it)."""
     return _compiled_and(fn, args, lambda folder: transient_beyond_inputs(folder, outputs, reuse), options)
@@ -428,3 +385,5 @@ def fused_bytes(fn: Callable, *args: Any, reuse: Collection[int], constants: Col
 
     compiled, (got, saving, held) = _compiled_and(fn, args, read)
     return FusedBytes(compiled, got, saving, held)
+
+
