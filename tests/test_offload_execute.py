@@ -21,7 +21,8 @@ from jaxremat.core.loops import REGION, STORE, Part
 from jaxremat.core.ops import Op, OpKind
 from jaxremat.core.tree import to_ops
 from jaxremat.run.executor import execute
-from jaxremat.run.offload_loop import CopyKind, offload_scan
+from jaxremat.run.loop_plan import CopyKind
+from jaxremat.run.offload_loop import offload_scan
 from jaxremat.solvers.periodic import periodic_tree
 
 

@@ -372,6 +372,11 @@ def test_decorator_forms_and_bad_input():
     assert isinstance(jr.remat(budget="50%")(loss), jr.RematFunction)
     with pytest.raises(TypeError, match="needs a budget"):
         jr.remat(loss)
+    # a budget that cannot be read is refused when decorating, naming what works
+    for bad, says in (("abc", "512MiB"), (-5, "positive number of bytes"), ("0%", "above 0%"), ("2 parsecs", "units")):
+        for decorate in (lambda b: jr.remat(loss, b), jr.remat_chain, jr.remat_nnx):
+            with pytest.raises(ValueError, match=says):
+                decorate(bad)
     with pytest.raises(ValueError, match="fewer than two stages"):
         jr.remat(lambda w, x: jnp.sum(x * w), "50%").plan(jnp.ones(3), jnp.ones(3))
     with pytest.raises(TypeError, match="no input that can carry a gradient"):

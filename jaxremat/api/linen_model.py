@@ -6,7 +6,7 @@ from typing import Any, Callable, Sequence, TypeVar, overload
 
 from jaxremat.api.planner import Planner, plan_options
 from jaxremat.api.plans import Plan
-from jaxremat.core.budgets import Budget
+from jaxremat.core.budgets import Budget, check_budget
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs
 from jaxremat.run.executor import execute
@@ -94,6 +94,7 @@ def remat_chain(budget: Budget, **options: Any) -> Callable[[Any], Any]:
     itself is ``Net.__wrapped__``. Options as for :class:`RematChain`.
     """
     plan_options(**{k: v for k, v in options.items() if k not in ("mutable", "rng_streams", "plan")})  # fail now
+    check_budget(budget)
 
     def wrap(model: Any) -> Any:
         if isinstance(model, type):

@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxremat.api.planner import Planner, plan_options
 from jaxremat.api.plans import Plan
-from jaxremat.core.budgets import Budget
+from jaxremat.core.budgets import Budget, check_budget
 from jaxremat.model.chain import Chain
 from jaxremat.model.nnx import layer_list, nnx_state
 from jaxremat.run.executor import execute
@@ -67,6 +67,7 @@ def remat_nnx(budget: Budget, **options: Any) -> Callable[[Any], RematSequential
     ``method``, ``slots``, ``calibrate``, ``max_period``, ``policies``, ``bandwidth``, ``loss``,
     ``verify``), and ``plan``."""
     plan_options(**{k: v for k, v in options.items() if k != "plan"})  # fail now on a bad option
+    check_budget(budget)  # and on a budget that cannot be read
 
     def wrap(model: Any) -> RematSequential:
         return RematSequential(model, budget, **options)

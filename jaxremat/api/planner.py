@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from jaxremat.api.plans import Plan, PlanOptions, make_plan, signature
-from jaxremat.core.budgets import Budget, is_share
+from jaxremat.core.budgets import Budget, check_budget, is_share
 from jaxremat.core.costs import ChainCosts
 from jaxremat.model.chain import Chain
 from jaxremat.model.trees import is_sharded, is_traced
@@ -24,7 +24,7 @@ class Planner:
     """
 
     def __init__(self, budget: Budget, options: PlanOptions, costs: dict[str, ChainCosts] | None = None):
-        self.budget, self.options = budget, options
+        self.budget, self.options = check_budget(budget), options
         self.costs: dict[str, ChainCosts] = {} if costs is None else costs  # shared across budgets
         self.plans: dict[str, Plan] = {}
 

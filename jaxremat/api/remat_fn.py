@@ -25,7 +25,7 @@ from jaxremat.api.planner import UNSET, plan_options, warn_if_global
 from jaxremat.api.plans import Plan, PlanOptions, SetupTime, make_plan
 from jaxremat.api.user_blocks import user_blocks
 from jaxremat.api.verify import Measured, verify
-from jaxremat.core.budgets import Budget, parse_budget
+from jaxremat.core.budgets import Budget, check_budget, parse_budget
 from jaxremat.core.compile import as_planned, compiler_options
 from jaxremat.core.costs import ChainCosts, Shared
 from jaxremat.core.schedule import Schedule
@@ -151,7 +151,8 @@ class RematFunction:
     ):
         if not callable(fun):
             raise TypeError(f"jaxremat.remat needs a function, got {type(fun).__name__}")
-        self.fun, self.budget, self.stages, self.max_stages, self.options = fun, budget, stages, max_stages, options
+        self.fun, self.stages, self.max_stages, self.options = fun, stages, max_stages, options
+        self.budget = check_budget(budget)
         self._costs: dict[str, ChainCosts] = {} if costs is None else costs  # shared with with_budget
         # the schedules verification compiled, by signature: shared with with_budget too, so that a
         # budget is met by a schedule measured for another (verify's ``earlier``)

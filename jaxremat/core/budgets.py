@@ -32,6 +32,22 @@ def is_share(budget: Budget) -> bool:
     return isinstance(budget, str) and _PERCENT.match(budget) is not None
 
 
+def check_budget(budget: Budget) -> Budget:
+    """``budget`` as given, once it is known to be readable: ``None``, a share above 0%, or a
+    positive number of bytes (an int, or a string with a unit). Raises :class:`ValueError`
+    naming the forms that work, so that a decorator refuses a bad budget when it is applied,
+    not at the first call after tracing and profiling."""
+    if budget is None:
+        return budget
+    if is_share(budget):
+        if float(_PERCENT.match(budget).group(1)) <= 0:
+            raise ValueError(f"budget {budget!r}: a share of the store-all peak must be above 0% ('40%')")
+        return budget
+    if (isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget <= 0) or parse_bytes(budget) <= 0:
+        raise ValueError(f"budget {budget!r}: give a positive number of bytes ('512MiB', 2**30) or a share ('40%')")
+    return budget
+
+
 def parse_budget(budget: Budget, reference: int | ChainCosts | None = None) -> int:
     """A budget in bytes.
 
@@ -60,4 +76,4 @@ def parse_budget(budget: Budget, reference: int | ChainCosts | None = None) -> i
     return parse_bytes(budget)
 
 
-__all__ = ["BUDGET_FORMS", "Budget", "is_share", "parse_budget", "store_all_peak"]
+__all__ = ["BUDGET_FORMS", "Budget", "check_budget", "is_share", "parse_budget", "store_all_peak"]

@@ -17,7 +17,9 @@ from jaxremat.model.stage import Stage, convolves
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
 from jaxremat.profiling.rates import Rates
 from jaxremat.profiling.timing import Program, StageTimes, option_time, roofline_floor
-from jaxremat.profiling.xla_buffers import bytes_kept_across_barrier, fused_bytes, transient_bytes
+from jaxremat.profiling.xla_buffers import (
+    HLO_TYPES, bytes_kept_across_barrier, fused_bytes, transient_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -72,17 +74,13 @@ def _split_params(v: dict) -> tuple[Any, dict]:
     return v.get("params", {}), {k: t for k, t in v.items() if k != "params"}
 
 
-_HLO_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int32": "s32",
-              "int64": "s64", "int8": "s8", "uint8": "u8", "bool": "pred"}
-
-
 def hlo_shape(s: Any) -> str:
     """An array's per-device shape as HLO writes it (``f32[4,32,32,8]``)."""
     shape = tuple(s.shape)
     sharding = getattr(s, "sharding", None)
     if sharding is not None and hasattr(sharding, "shard_shape"):
         shape = tuple(sharding.shard_shape(shape))
-    return f"{_HLO_TYPES.get(str(s.dtype), str(s.dtype))}[{','.join(map(str, shape))}]"
+    return f"{HLO_TYPES.get(str(s.dtype), (str(s.dtype), 0))[0]}[{','.join(map(str, shape))}]"
 
 
 def _stage_fn(st: Stage):

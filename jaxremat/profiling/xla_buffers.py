@@ -179,8 +179,12 @@ _OPERANDS = re.compile(r"\s[a-z][\w\-]*\((%[^)]*)\)")
 _SHAPE = re.compile(r"=\s*(\S+)\s")
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-                "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+#: numpy's dtype names as HLO writes them, with their bytes: the one table of both
+HLO_TYPES = {"bool": ("pred", 1), "int8": ("s8", 1), "uint8": ("u8", 1), "float16": ("f16", 2), "bfloat16": ("bf16", 2),
+             "int16": ("s16", 2), "uint16": ("u16", 2), "float32": ("f32", 4), "int32": ("s32", 4),
+             "uint32": ("u32", 4), "float64": ("f64", 8), "int64": ("s64", 8), "uint64": ("u64", 8),
+             "complex64": ("c64", 8), "complex128": ("c128", 16)}
+_DTYPE_BYTES = dict(HLO_TYPES.values())
 
 
 def shape_bytes(shape: str) -> int:

@@ -11,7 +11,8 @@ from jax import lax
 
 from jaxremat.model.stage import Stage, stage_rngs
 from jaxremat.run._variables import Env
-from jaxremat.run.offload_loop import CopyKind, offload_scan
+from jaxremat.run.loop_plan import CopyKind
+from jaxremat.run.offload_loop import offload_scan
 from jaxremat.run.selective import selective_scan
 
 _CUTS = frozenset({lax.slice_p, lax.squeeze_p, lax.reshape_p, lax.split_p, lax.dynamic_slice_p})

@@ -17,7 +17,23 @@ from jaxremat.core.loops import runs_selective
 from jaxremat.core.tree import RegionUnit, StoreUnit, Unit, offloads_in, shape
 from jaxremat.model.chain import Chain
 from jaxremat.model.identity import stage_identity
-from jaxremat.run.offload_loop import CopyKind
+
+
+@dataclass(frozen=True)
+class CopyKind:
+    """How one copy runs: ``stored`` under store option ``option`` (its residuals kept, those of
+    the option's checkpoint policy) or checkpointed (``stored=False``: only its input kept, the
+    copy recomputed in the backward pass); ``host_input`` / ``host_bundle``: its input ``a_i`` /
+    its bundle ``abar_i`` kept in host memory."""
+
+    stored: bool
+    option: int = 0
+    host_input: bool = False
+    host_bundle: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.stored and (self.option or self.host_bundle):
+            raise ValueError(f"{self}: a checkpointed copy has no store option and no bundle to offload")
 
 
 @dataclass(frozen=True)
@@ -247,6 +263,7 @@ def plan_loops(
 
 __all__ = [
     "Alike",
+    "CopyKind",
     "Loop",
     "LoopPlan",
     "OffloadLoop",

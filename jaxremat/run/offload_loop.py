@@ -29,26 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxremat.run._offload import to_device, to_host
-from jaxremat.run.selective import _fill, _inexact, _Linearised, _replay
-
-Step = Callable[[Any, Any, Any, jax.Array], tuple[Any, Any]]
-
-
-@dataclass(frozen=True)
-class CopyKind:
-    """How one copy runs: ``stored`` under store option ``option`` (its residuals kept, those of
-    the option's checkpoint policy) or checkpointed (``stored=False``: only its input kept, the
-    copy recomputed in the backward pass); ``host_input`` / ``host_bundle``: its input ``a_i`` /
-    its bundle ``abar_i`` kept in host memory."""
-
-    stored: bool
-    option: int = 0
-    host_input: bool = False
-    host_bundle: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.stored and (self.option or self.host_bundle):
-            raise ValueError(f"{self}: a checkpointed copy has no store option and no bundle to offload")
+from jaxremat.run.loop_plan import CopyKind
+from jaxremat.run._copies import Linearised, Step, fill, inexact, replay
 
 
 @dataclass(frozen=True)
@@ -85,15 +67,15 @@ def offload_scan(
     kinds = tuple(kinds)
     segs = segments(kinds)
     p0 = _row(stacked, jnp.int32(0))
-    steps = {k: _replay(step_for(k), p0, keys, a, jnp.int32(0))[0] for k in sorted({s.kind.option for s in segs})}
+    steps = {k: replay(step_for(k), p0, keys, a, jnp.int32(0))[0] for k in sorted({s.kind.option for s in segs})}
     # a copy's residuals are stacked and moved as they are (PRNG keys as their data), not packed
     # into one row per dtype as in the selective loop: the packing concatenate is not written in
     # place into the scan's output, one more copy of the residuals (6 of 27 MiB on an 8-block GPT)
-    traced: dict[int, _Linearised] = {}
+    traced: dict[int, Linearised] = {}
 
-    def linearised(option: int, a: Any) -> _Linearised:
+    def linearised(option: int, a: Any) -> Linearised:
         if option not in traced:
-            traced[option] = _Linearised.trace(steps[option], p0, keys, a)
+            traced[option] = Linearised.trace(steps[option], p0, keys, a)
         return traced[option]
 
     @jax.custom_vjp
@@ -107,7 +89,7 @@ def offload_scan(
             kind = seg.kind
             lin = linearised(kind.option if kind.stored else 0, a)
 
-            def body(a: Any, u: jax.Array, kind: CopyKind = kind, lin: _Linearised = lin) -> tuple[Any, tuple]:
+            def body(a: Any, u: jax.Array, kind: CopyKind = kind, lin: Linearised = lin) -> tuple[Any, tuple]:
                 p = _row(stacked, u)
                 inp = to_host(a) if kind.host_input else a
                 if not kind.stored:
@@ -125,17 +107,17 @@ def offload_scan(
     def bwd(res: tuple, g: tuple[Any, Any]) -> tuple:
         stacked, keys, saved = res
         p_leaves, p_tree = jax.tree.flatten(stacked)
-        p_diff = [_inexact(leaf) for leaf in p_leaves]
+        p_diff = [inexact(leaf) for leaf in p_leaves]
         a_like = jax.tree.map(lambda t: t[0], saved[0][0])
         a_leaves, a_tree = jax.tree.flatten(a_like)
-        a_diff = [_inexact(leaf) for leaf in a_leaves]
+        a_diff = [inexact(leaf) for leaf in a_leaves]
         g_a = [c for c, d in zip(jax.tree.leaves(g[0]), a_diff) if d]
         d_p = [jnp.zeros_like(leaf) for leaf, d in zip(p_leaves, p_diff) if d]
         for seg, (inputs, rows) in reversed(list(zip(segs, saved))):
             kind = seg.kind
             lin = traced[kind.option if kind.stored else 0]
 
-            def body(carry: tuple, xs: tuple, kind: CopyKind = kind, lin: _Linearised = lin) -> tuple[tuple, None]:
+            def body(carry: tuple, xs: tuple, kind: CopyKind = kind, lin: Linearised = lin) -> tuple[tuple, None]:
                 g_a, d_p = carry
                 u, inp, row = xs
                 p = _row(stacked, u)
@@ -144,7 +126,7 @@ def offload_scan(
                     stored = lin.keys.decode(to_device(row) if kind.host_bundle else row)
                 else:
                     stored = lin.run(p, keys, a, u)[2]  # recomputed from the saved input
-                d = lin.pullback(stored, p, a)(a_tree.unflatten(_fill(g_a, a_diff, a_leaves)))
+                d = lin.pullback(stored, p, a)(a_tree.unflatten(fill(g_a, a_diff, a_leaves)))
                 n_p = sum(p_diff)
                 d_p = [
                     lax.dynamic_update_index_in_dim(acc, row_d.astype(acc.dtype), u, 0)
@@ -153,8 +135,8 @@ def offload_scan(
                 return (list(d[n_p:]), d_p), None
 
             (g_a, d_p), _ = lax.scan(body, (g_a, d_p), (jnp.arange(seg.lo, seg.hi), inputs, rows), reverse=True)
-        d_stacked = p_tree.unflatten(_fill(d_p, p_diff, p_leaves))
-        return d_stacked, None, a_tree.unflatten(_fill(g_a, a_diff, a_leaves))
+        d_stacked = p_tree.unflatten(fill(d_p, p_diff, p_leaves))
+        return d_stacked, None, a_tree.unflatten(fill(g_a, a_diff, a_leaves))
 
     loop.defvjp(fwd, bwd)
     return loop(stacked, keys, a)
@@ -167,4 +149,4 @@ def _concat(parts: list) -> Any:
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
-__all__ = ["CopyKind", "Segment", "offload_scan", "segments"]
+__all__ = ["Segment", "offload_scan", "segments"]
