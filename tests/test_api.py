@@ -65,9 +65,8 @@ def test_one_name_for_the_profiling_method():
         ).planner.options.method
         == "xla"
     )
-    with pytest.warns(DeprecationWarning, match="profile= is now method="):
-        old = jr.remat_chain("80%", profile="xla")(mlp())
-    assert old.planner.options.method == "xla"
+    with pytest.raises(TypeError, match="unknown option"):
+        jr.remat_chain("80%", profile="xla")  # method='s name before the first release
     with pytest.raises(ValueError, match="method must be 'measure' or 'xla'"):
         jr.remat_chain("60%", method="wallclock")
     with pytest.raises(TypeError, match="unknown option"):

@@ -100,6 +100,15 @@ def test_sizes_that_round_to_zero_slots():
     assert ref[(0, 4)][500] == 12
 
 
+def test_the_report_says_what_the_budget_was_asked_as():
+    c = jr.ChainCosts(fwd=[1.0] * 4, bwd=[2.0] * 4, x=[1024] * 5, xbar=[3072] * 4, fwd_tmp=[0] * 4, bwd_tmp=[0] * 4)
+    peak = jr.simulate(c, jr.solve(c, None).ops).peak
+    share = jr.solve(c, "60%")
+    assert share.budget == int(0.6 * peak) and share.asked == f"60% of the store-all peak, {jr.format_bytes(peak)}"
+    assert f"(60% of the store-all peak, {jr.format_bytes(peak)})" in share.summary()
+    assert jr.solve(c, None).asked.startswith("the store-all peak") and jr.solve(c, 10**6).asked == ""
+
+
 def test_min_budget_is_exact_for_optimal():
     rng = np.random.default_rng(3)
     for L in (1, 3, 6, 12):

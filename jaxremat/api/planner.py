@@ -74,17 +74,8 @@ def warn_if_global(*trees: Any, budget: Budget = None) -> None:
     )
 
 
-def plan_options(method: str | None = None, profile: str | None = None, **options: Any) -> PlanOptions:
-    """:class:`PlanOptions` from keyword arguments; ``profile=`` is the old name of ``method=``."""
-    if profile is not None:
-        warnings.warn(
-            "jaxremat: profile= is now method= (the same name as in jaxremat.profile and the CLI)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if method is not None and method != profile:
-            raise ValueError(f"method={method!r} and profile={profile!r} disagree; give method= only")
-        method = profile
+def plan_options(method: str | None = None, **options: Any) -> PlanOptions:
+    """:class:`PlanOptions` from keyword arguments; an unknown one is a :class:`TypeError` naming those known."""
     unknown = sorted(
         set(options)
         - {

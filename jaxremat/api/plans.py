@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +28,10 @@ from jaxremat.run.executor import execute
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical, solve
 
 FORMAT = "jaxremat-plan"
-# 7: unread output bytes; 2: signatures from jaxremat.model.identity; 3: store options and FB; 4: offloading
-# (bandwidth); 5: shared values, held bytes; 6: fb_reuse
-VERSION = 7
-READS = (2, 3, 4, 5, 6, 7)  # each version's plans are the next's without its additions
+# the plan file's format: read at this version only (nothing has been released; a plan of another
+# version is made again). 8: the user's blocks (Schedule.blocks), the budget as asked (Schedule.asked)
+VERSION = 8
+READS = (VERSION,)
 
 
 def signature(chain: Chain, variables: Any, sample: Any) -> str:
@@ -198,6 +199,7 @@ class Plan:
             "ops": [[op.kind.value, *op[1:]] for op in s.ops],
             "bandwidth": None if s.bandwidth is None else [s.bandwidth.to_host, s.bandwidth.to_device],
             "blocks": [[b.start, b.stop, b.policy] for b in s.blocks],
+            "asked": s.asked,
         }
 
     def save(self, path: str | Path) -> None:
@@ -224,9 +226,9 @@ def load_plan(path: str | Path) -> Plan:
         budget=d["budget"],
         algorithm=d["algorithm"],
         bandwidth=d.get("bandwidth"),
-        blocks=tuple(Block(int(b), int(e), str(p)) for b, e, p in d.get("blocks", [])),
+        blocks=tuple(Block(int(b), int(e), str(p)) for b, e, p in d["blocks"]),
     )
-    return Plan(schedule, d["signature"])
+    return Plan(dataclasses.replace(schedule, asked=str(d["asked"])), d["signature"])
 
 
 def make_plan(

@@ -334,12 +334,12 @@ def remat(
         fun, budget = None, fun
     if budget is UNSET:
         raise TypeError("jaxremat.remat needs a budget: bytes, '512MiB', '40%', or None for the store-all peak")
-    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "verify", "profile"}
+    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "verify"}
     unknown = sorted(set(options) - known - set(PROFILE_KEYWORDS))
     if unknown:
         raise TypeError(
             f"jaxremat.remat: unknown option(s) {', '.join(unknown)}; the options are "
-            f"{', '.join(sorted(known - {'profile'}))}, "
+            f"{', '.join(sorted(known))}, "
             f"and for the profiler {', '.join(PROFILE_KEYWORDS)}"
         )
     opts = plan_options(

@@ -187,7 +187,7 @@ def verify(
             seen[key] = earlier[key][1]
         return seen[key]
 
-    x0 = int(costs.x[0])
+    x0, asked = int(costs.x[0]), schedule.asked
     got = measured(schedule)
     chosen, corrections = "plan", 0
     fits = target is None or got.peak <= target
@@ -270,7 +270,7 @@ def verify(
         chosen=chosen,
         hand=tuple(checks),
     )
-    return (schedule if target is None else dataclasses.replace(schedule, budget=target)), verification
+    return (schedule if target is None else dataclasses.replace(schedule, budget=target, asked=asked)), verification
 
 
 __all__ = ["HandCheck", "HandStrategy", "Measured", "Verification", "hand_strategies", "verify"]

@@ -14,7 +14,7 @@ from typing import Union
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.ops import store_all_ops
 from jaxremat.core.simulator import simulate
-from jaxremat.core.units import BUDGET_FORMS, parse_bytes
+from jaxremat.core.units import BUDGET_FORMS, format_bytes, parse_bytes
 
 #: What a budget may be: bytes, a string with a unit or a share (``"40%"``), or ``None``.
 Budget = Union[int, float, str, None]
@@ -48,6 +48,18 @@ def check_budget(budget: Budget) -> Budget:
     return budget
 
 
+def describe_budget(budget: Budget, reference: int | ChainCosts, of: str = "the store-all peak") -> str:
+    """What ``budget`` was asked as, for a report: ``"50% of the store-all peak, 16.08 MiB"`` for a
+    share (``of`` names the reference: a ``Repeat``'s is the loop's store-all peak), ``"the
+    store-all peak"`` for ``None``, ``""`` for bytes (the bytes say it)."""
+    if budget is not None and not is_share(budget):
+        return ""
+    peak = store_all_peak(reference) if isinstance(reference, ChainCosts) else int(reference)
+    if budget is None:
+        return f"{of}, {format_bytes(peak)}"
+    return f"{budget.strip()} of {of}, {format_bytes(peak)}"
+
+
 def parse_budget(budget: Budget, reference: int | ChainCosts | None = None) -> int:
     """A budget in bytes.
 
@@ -76,4 +88,4 @@ def parse_budget(budget: Budget, reference: int | ChainCosts | None = None) -> i
     return parse_bytes(budget)
 
 
-__all__ = ["BUDGET_FORMS", "Budget", "check_budget", "is_share", "parse_budget", "store_all_peak"]
+__all__ = ["BUDGET_FORMS", "Budget", "check_budget", "describe_budget", "is_share", "parse_budget", "store_all_peak"]

@@ -85,6 +85,7 @@ class Schedule:
     host_peak: int = 0  # the most bytes held in host memory at once (offloading)
     bandwidth: Bandwidth | None = None  # the links' bandwidths the schedule was replayed with
     blocks: tuple[Block, ...] = ()  # runs of stored stages run as one checkpoint under a policy
+    asked: str = ""  # what the budget was asked as, if not bytes ("50% of the store-all peak, 16.08 MiB")
 
     @property
     def least_peak(self) -> int:
@@ -176,6 +177,8 @@ class Schedule:
         """A readable report: budget, peak, time, and what happens to every stage."""
         c = self.costs
         budget = "none" if self.budget is None else format_bytes(self.budget)
+        if self.asked:
+            budget += f" ({self.asked})"
         where = f" per device (of {c.devices})" if c.devices > 1 else ""
         lines = [
             f"schedule ({self.algorithm}): {c.length} stages, {len(self.ops)} ops",

@@ -3,12 +3,13 @@ and ``pareto`` (the time-memory front). The one registry of names and aliases.""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxremat.core.budgets import Budget, parse_budget, store_all_peak
+from jaxremat.core.budgets import Budget, describe_budget, parse_budget, store_all_peak
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.core.transfers import Bandwidth, BandwidthLike
@@ -171,7 +172,7 @@ def solve(
     sched = found.solve(costs, parse_budget(budget, costs), int(slots), *extra)
     if sched.algorithm != algorithm:  # asked by an alias: say so
         sched = sched.with_algorithm(algorithm)
-    return sched
+    return dataclasses.replace(sched, asked=describe_budget(budget, costs))
 
 
 def min_budget(
