@@ -273,7 +273,8 @@ def test_the_first_stage_counts_the_copies_of_the_step_input_it_keeps():
     and the copy is kept beside it (the Mixer's patch embedding: 192 KiB, 52.83 against 52.64 MiB
     for the schedule storing every stage under ``dots_saveable`` with the embedding stored
     whole)."""
-    from jaxremat.profiling.stage import _split_params, _stage_fn, kept_bytes
+    from jaxremat.profiling.stage import _split_params, _stage_fn
+    from jaxremat.profiling.stage_memory import kept_bytes
     from jaxremat.tools.models import MixerBlock, PatchEmbed
 
     x = jnp.ones((4, 16, 16, 3))
@@ -309,7 +310,7 @@ def test_an_output_written_over_a_dying_temporary_shares_its_bytes():
 def test_without_a_barrier_in_the_buffers_xbar_is_jaxs_residuals(monkeypatch):
     # XLA:GPU expands optimisation barriers before its buffer assignment (and fails to compile
     # one kept): there, a stage keeps what jax.vjp hands its backward. Forced here on the CPU.
-    from jaxremat.profiling import stage as stage_mod
+    from jaxremat.profiling import stage_memory as stage_mod
 
     monkeypatch.setattr(stage_mod, "barriers_survive", lambda: False)
 

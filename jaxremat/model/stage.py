@@ -59,7 +59,7 @@ def convolves(fn: Callable, *args: Any) -> bool:
 
     The executor ties the weight gradients of stored stages that convolve to their input's
     cotangent (:mod:`jaxremat.run._grad_tie`), and the profiler leaves copies of their kernels
-    out of a stage's ``xbar`` (:func:`jaxremat.profiling.stage.kept_bytes`)."""
+    out of a stage's ``xbar`` (:func:`jaxremat.profiling.stage_memory.kept_bytes`)."""
     return "conv_general_dilated" in str(jax.make_jaxpr(fn)(*args))
 
 

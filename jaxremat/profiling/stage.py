@@ -8,17 +8,15 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.extend import core as jax_core
 
-from jaxremat.core.compile import barriers_survive, compiler_options
-from jaxremat.model.kernel_reads import orders_kernel_reads, reads_after_cotangent
-from jaxremat.model.stage import Stage, convolves
+from jaxremat.core.compile import compiler_options
+from jaxremat.model.stage import Stage
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
 from jaxremat.profiling.rates import Rates
+from jaxremat.profiling.stage_memory import backward_memory, with_loss
 from jaxremat.profiling.timing import Program, StageTimes, option_time, roofline_floor
 from jaxremat.profiling.xla_buffers import (
-    HLO_TYPES, bytes_kept_across_barrier, fused_bytes, transient_bytes,
+    HLO_TYPES, fused_bytes,
 )
 
 
@@ -97,150 +95,12 @@ def _placed(x: jax.Array, like: Any) -> jax.Array:
     return x if sh is None else jax.device_put(x, sh)
 
 
-def _sum_leaves(tree: Any) -> jax.Array:
-    return sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(tree))
-
-
 def _cost(compiled: Any) -> tuple[float, float]:
     ca = compiled.cost_analysis()
     if isinstance(ca, list):
         ca = ca[0] if ca else {}
     # XLA:GPU reports -1 where it cannot count (a cuDNN convolution): 0 here, read as unknown
     return max(0.0, float(ca.get("flops", 0.0))), max(0.0, float(ca.get("bytes accessed", 0.0)))
-
-
-def kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input: bool = False, with_output: bool = True) -> int:
-    """``xbar``: the bytes XLA keeps from the stage's forward for its backward, plus its output.
-
-    Compiled as forward, an optimisation barrier on (output, cotangent), backward, and read from
-    the buffers live across it (:func:`~jaxremat.profiling.xla_buffers.live_across_barrier`; the stage
-    input's leaves are the
-    activations there, and its parameters the kernels where the executor does not order their
-    reads after the cotangent). ``step_input``: the stage is the chain's first, its input the
-    step's argument (copies of it count).
-
-    Where the barrier does not survive into the buffer assignment (XLA:GPU), the residuals
-    ``jax.vjp`` hands the backward, as :func:`scan_residual_bytes` counts them: JAX's choice
-    before XLA's fusion, which may keep less.
-
-    ``with_output=False``: the output only summed before the barrier, what the backward reads.
-    """
-    if not barriers_survive():
-        return scan_residual_bytes(g, params, a_shape, rest, rng)
-
-    def kept(params, a, rest, rng, cot):
-        out, vjp = jax.vjp(lambda p, x: g(p, x, rest, rng), params, a)
-        if not with_output:
-            done, cot = lax.optimization_barrier((_sum_leaves(out), cot))
-            return done, vjp(cot)
-        done, cot, out = lax.optimization_barrier((_sum_leaves(out), cot, out))
-        return done, vjp(cot), out
-
-    n_params, n_input = len(jax.tree.leaves(params)), len(jax.tree.leaves(a_shape))
-    acts = range(n_params, n_params + n_input)
-    # copies of a kernel (a reshaped attention kernel) count where the executor does not prevent
-    # them: the step users run makes them at its start, unless the stage's kernel reads wait for
-    # its cotangent (a stage after the first with only parameters and a floating input), or its
-    # weight gradient is tied to its input's (it convolves); see jaxremat.run._grad_tie
-    ordered = not step_input and orders_kernel_reads(rest, a_shape)
-    kernels = () if ordered or convolves(g, params, a_shape, rest, rng) else range(n_params)
-    return bytes_kept_across_barrier(
-        kept, params, a_shape, rest, rng, cot_shape, activations=acts, parameters=kernels, step_input=step_input
-    )[1]
-
-
-def scan_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any) -> int:
-    """Bytes a ``lax.scan`` saves per iteration for a stage's backward, output included.
-
-    A loop keeps its body's residuals as JAX's autodiff chooses them (stacked outputs of the
-    forward loop), not as XLA would after fusing the backward: these are the residuals of
-    ``jax.vjp`` that are not the stage's inputs (parameters are scanned inputs, handed to the
-    backward loop as they are; the input is the previous stage's output), plus the output.
-    """
-    def residuals(p, x, r, k):
-        out, pull = jax.vjp(lambda p, x: g(p, x, r, k), p, x)
-        return jax.tree.leaves(pull), out
-
-    closed = jax.make_jaxpr(residuals)(params, a_shape, rest, rng)
-    inputs = set(closed.jaxpr.invars)
-    kept: dict = {}  # output position of each residual that is not an input, once per variable
-    for n, v in enumerate(closed.jaxpr.outvars):
-        if isinstance(v, jax_core.Var) and v not in inputs and v not in kept:
-            kept[v] = n
-    shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.outvars]
-    if is_sharded((params, a_shape)):  # on a mesh: per device, as the forward lays them out
-        laid_out = jax.jit(lambda *a: jax.tree.leaves(residuals(*a))).lower(params, a_shape, rest, rng).compile()
-        shapes = with_shardings(shapes, list(laid_out.output_shardings))
-    return tree_bytes([shapes[n] for n in kept.values()])
-
-
-def _backward(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, cot_shape: Any, input_grad: bool,
-              scanned: bool):
-    """For ``g`` (the stage, or the stage under a checkpoint policy): the bytes kept for its
-    backward (output included), the compiled backward (from the residuals and the cotangent), its
-    transient bytes, the pullback, and the output bytes the backward does not read."""
-    xbar, unread = kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input=not input_grad), 0
-    if scanned:  # a loop keeps its carry (the output) for the backward loop whatever that reads
-        xbar = max(xbar, scan_residual_bytes(g, params, a_shape, rest, rng))
-    elif barriers_survive() and xbar > (out := tree_bytes(jax.eval_shape(g, params, a_shape, rest, rng))) + 16:
-        # only where it reads anything kept beyond the probe's 4-byte sum (docs/cost_model.md,
-        # "Output bytes a backward does not read": one keeping nothing recomputes the stage whole)
-        read = kept_bytes(g, params, a_shape, rest, rng, cot_shape, step_input=not input_grad, with_output=False)
-        unread = max(0, min(xbar - read, out)) if read > 16 else 0
-
-    def pullback(p, x, r, k):
-        if input_grad:
-            return jax.vjp(lambda p, x: g(p, x, r, k), p, x)[1]
-        return jax.vjp(lambda p: g(p, x, r, k), p)[1]
-
-    vjp_shape = jax.eval_shape(pullback, params, a_shape, rest, rng)
-    if is_sharded((params, a_shape)):  # on a mesh: the residuals as the forward lays them out
-        laid_out = jax.jit(pullback).lower(params, a_shape, rest, rng).compile().output_shardings
-        vjp_shape = with_shardings(vjp_shape, laid_out)
-    # as for FB (below), an output written over a dying input is credited only where that input
-    # is the incoming cotangent: crediting a dying residual too had the least-budget plan of a
-    # 12-block GPT (blocks stored under dots_with_no_batch_dims_saveable) at 1.18x in the update step
-    n_res = len(jax.tree.leaves(vjp_shape))
-    bwd_c, bwd_tmp = transient_bytes(
-        lambda f, c: f(c), vjp_shape, cot_shape, reuse=range(n_res, n_res + len(jax.tree.leaves(cot_shape)))
-    )
-    return int(xbar), bwd_c, int(bwd_tmp), pullback, unread
-
-
-def _with_loss(g: Callable, loss: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, input_grad: bool,
-               out_bytes: int) -> Callable[[Callable], int]:
-    """For the chain's last stage: ``fused(gk)``, the bytes that the stage ``gk`` (the stage, or the
-    stage under a checkpoint policy) followed by ``loss`` needs in one program, its forward, the
-    loss and its backward, beyond the stage input and parameters, ``delta_L`` and ``delta_{L-1}``:
-    at least its bundle plus its ``bwd_tmp`` when the stage is stored, since ``Loss`` and the
-    backward run with those live.
-
-    XLA fuses the loss with the last stage's forward and backward, which it schedules together in
-    every schedule. Measured on a 12-block GPT (an LM head, then the mean-square loss): the loss
-    alone needs nothing beyond its input and gradient, but with the head's forward and backward
-    XLA keeps five logit-sized buffers at once (the logits before and after the bias, the loss
-    gradient in two layouts, one more copy), 1.5 MiB more than the head's ``Fall; Loss; B`` costs
-    measured apart; the store-all and every plan storing the head were 1.7-3.4% under XLA.
-    Parameter gradients and ``delta_{L-1}`` count over their live ranges (outputs here,
-    temporaries of the step).
-    """
-    counted = out_bytes + (tree_bytes(a_shape) if input_grad else 0)  # delta_L and delta_{L-1}
-
-    # the executor runs a stored last stage with its kernel reads after its cotangent: so here
-    # too (with the barrier the GPT's LM head and loss keep fewer logit-sized buffers)
-    ordered = input_grad and orders_kernel_reads(rest, a_shape)
-
-    def fused(gk: Callable) -> int:
-        def program(p, a, r, k):
-            def stage(p, a):
-                return reads_after_cotangent(lambda p, x: gk(p, x, r, k), p, a) if ordered else gk(p, a, r, k)
-
-            return jax.value_and_grad(lambda p, a: loss(stage(p, a)), argnums=(0, 1) if input_grad else 0)(p, a)
-
-        _, extra = transient_bytes(program, params, a_shape, rest, rng, outputs=True, reuse=False)
-        return max(0, int(extra) - counted)
-
-    return fused
 
 
 def _from_residuals(pullback: Callable) -> Callable[..., Program]:
@@ -292,7 +152,8 @@ def profile_stage(
     if is_sharded((params, a_shape)):  # on a mesh: the output (and its cotangent) as XLA lays it out
         out_shape = with_shardings(out_shape, fwd_c.output_shardings)
     cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_of(s)), out_shape)
-    xbar, bwd_c, bwd_tmp, pullback, unread = _backward(g, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
+    backward = backward_memory(g, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
+    xbar, bwd_c, bwd_tmp, pullback, unread = backward
     fwd_tmp = int(fwd_c.memory_analysis().temp_size_in_bytes)
     # FB's bytes with the credit for an output written over a dying input only where that input
     # is the incoming cotangent: a training step writes gelu'(h) * g over g (an MLP's every-stage
@@ -317,12 +178,12 @@ def profile_stage(
         vjp = lambda p, x, r, k: jax.vjp(lambda p, x: gk(p, x, r, k), p, x)  # noqa: E731
         program = str(jax.make_jaxpr(vjp)(params, a_shape, rest, rng))
         if program not in by_program:
-            by_program[program] = _backward(gk, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
+            by_program[program] = backward_memory(gk, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
         opts[name] = by_program[program]
     ff, fbytes = _cost(fwd_c)
     bf, bb = _cost(bwd_c)
     fbf, fbb = _cost(fb_c)
-    costs = {name: _cost(o[1]) for name, o in opts.items()}
+    costs = {name: _cost(o.compiled) for name, o in opts.items()}
     timer = None
     if method == "xla":
         assert rates is not None
@@ -336,7 +197,7 @@ def profile_stage(
         }
     else:
         backwards = {"backward": _from_residuals(pullback)}
-        backwards.update({f"backward under {name}": _from_residuals(o[3]) for name, o in opts.items()})
+        backwards.update({f"backward under {name}": _from_residuals(o.pullback) for name, o in opts.items()})
 
         def build() -> dict[str, Program]:
             concrete = lambda s: _placed(jnp.zeros(s.shape, s.dtype), s)  # noqa: E731
@@ -355,9 +216,9 @@ def profile_stage(
     # update inside held exactly its gradient more (1 MiB), a transformer block's 0.58 of it.
     grad = tree_bytes(params)
     fb_tmp, bwd_tmp = int(fb_tmp) + grad, int(bwd_tmp) + grad
-    opts = {name: (o[0], o[1], o[2] + grad, o[3], o[4]) for name, o in opts.items()}
+    opts = {name: o._replace(tmp=o.tmp + grad) for name, o in opts.items()}
     if loss is not None:
-        fused = _with_loss(g, loss, params, a_shape, rest, rng, input_grad, tree_bytes(out_shape))
+        fused = with_loss(g, loss, params, a_shape, rest, rng, input_grad, tree_bytes(out_shape))
 
         def need(kept: int, tmp: int, unread: int, gk: Callable) -> tuple[int, int]:
             # B's need as fused with the loss, credited only down to that (a GPT head keeps its
@@ -369,8 +230,8 @@ def profile_stage(
         # not fb_tmp: the GPT head's FB fused with the loss held 0.25 MiB more than alone, but an
         # MLP layer's alone held 4 MiB more than in the whole step (its 30% plan: XLA at 0.89)
         for name, o in list(opts.items()):
-            tmp, unr = need(o[0], o[2], o[4], jax.checkpoint(g, policy=policies[name]))
-            opts[name] = (o[0], o[1], tmp, o[3], unr)
+            tmp, unr = need(o.kept, o.tmp, o.unread, jax.checkpoint(g, policy=policies[name]))
+            opts[name] = o._replace(tmp=tmp, unread=unr)
     shape_txt = str(jax.tree.map(lambda s: tuple(s.shape), out_shape))
     prof = StageProfile(
         name=st.name, kind=st.kind, out_shape=shape_txt, x_out=tree_bytes(out_shape), xbar=xbar,
@@ -378,7 +239,7 @@ def profile_stage(
         fwd_flops=ff, bwd_flops=bf, fwd_bytes=fbytes, bwd_bytes=bb, fwd_time=ft, bwd_time=bt,
         fb_time=fbt, fb_tmp=int(fb_tmp), fb_flops=fbf, held=int(held), fb_reuse=int(fb_reuse), unread=unread,
         options=tuple(
-            OptionProfile(name, o[0], o[2], *costs[name][:2], opt_t[name], o[4]) for name, o in opts.items()
+            OptionProfile(name, o.kept, o.tmp, *costs[name][:2], opt_t[name], o.unread) for name, o in opts.items()
         ),
     )
     return prof, timer
@@ -391,6 +252,4 @@ def with_times(prof: StageProfile, times: StageTimes) -> StageProfile:
                                options=options, flags=times.flags)
 
 
-__all__ = [
-    "OptionProfile", "StageProfile", "kept_bytes", "profile_stage", "scan_residual_bytes", "with_times",
-]
+__all__ = ["OptionProfile", "StageProfile", "profile_stage", "with_times"]
