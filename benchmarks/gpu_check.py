@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 import jaxremat as jr
+from jaxremat.core.transfers import Bandwidth
 from jaxremat.api.calibrate import measured_loss
 from jaxremat.profiling.bandwidth import link_bandwidth
 from jaxremat.tools import compare
@@ -100,9 +101,9 @@ def device_bytes(key: str) -> int | None:
     return None if not stats or key not in stats else int(stats[key])
 
 
-def bandwidth() -> jr.Bandwidth:
+def bandwidth() -> Bandwidth:
     """The links' measured bandwidths; on the CPU (``--tiny``), where nothing moves, a stand-in."""
-    return jr.Bandwidth(1e10, 1e10) if jax.devices()[0].platform == "cpu" else link_bandwidth()
+    return Bandwidth(1e10, 1e10) if jax.devices()[0].platform == "cpu" else link_bandwidth()
 
 
 def costs_of(chain: jr.Chain, v, x) -> jr.ChainCosts:

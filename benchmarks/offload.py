@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 import jaxremat as jr
+from jaxremat.core.transfers import Bandwidth
 from jaxremat.model.chain import Chain
 from jaxremat.profiling.rates import GPU_RATES
 from jaxremat.solvers.offload import offload_ops
@@ -65,7 +66,7 @@ def fronts(costs: jr.ChainCosts, bandwidth: float) -> dict[str, list[tuple[int, 
             pass
         s = jr.solve(costs, b, algorithm="optimal_offload", bandwidth=bandwidth)
         out["both"].append((s.peak, s.overhead))
-        ops, _ = offload_ops(costs, b, 500, jr.Bandwidth.of(bandwidth), remat=False)
+        ops, _ = offload_ops(costs, b, 500, Bandwidth.of(bandwidth), remat=False)
         if ops is not None:
             s = jr.Schedule.from_ops(costs, ops, budget=b, algorithm="offload only", bandwidth=bandwidth)
             out["offload"].append((s.peak, s.overhead))

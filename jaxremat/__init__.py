@@ -9,13 +9,16 @@ The package follows the data flow, each folder importing only from the ones befo
 ``core`` (costs, ops, schedules, budgets, loop rules, compile options) → ``model`` (chains of
 stages) → ``profiling`` (what XLA keeps) → ``solvers`` → ``run`` (the executor) → ``api``
 (plans, ``remat_chain``, ``remat_nnx``) → ``tools`` (comparison, CLI, demo, example models).
+
+The names here are the public API: the decorators, plans, the solver and its cost record,
+budgets, errors and compile options. The rest lives in the submodules (``jaxremat.core.ops.Op``,
+``jaxremat.core.transfers.Bandwidth``, ``jaxremat.solvers.OFFLOAD_ALGORITHMS`` ...).
 """
 
 from jaxremat.api import (
     Plan,
     RematChain,
     RematFunction,
-    RematSequential,
     load_plan,
     plan,
     remat,
@@ -25,37 +28,28 @@ from jaxremat.api import (
 from jaxremat.core.budgets import Budget, parse_budget, store_all_peak
 from jaxremat.core.compile import compiler_options, jit
 from jaxremat.core.costs import ChainCosts, Shared, StageOption
-from jaxremat.core.ops import Op, OpKind
-from jaxremat.core.schedule import InfeasibleBudget, Schedule, StageDecision
-from jaxremat.core.simulator import Replay, simulate
-from jaxremat.core.transfers import Bandwidth
-from jaxremat.core.units import format_bytes, parse_bytes
+from jaxremat.core.schedule import InfeasibleBudget, Schedule
+from jaxremat.core.simulator import simulate
+from jaxremat.core.units import format_bytes
 from jaxremat.model import Chain, Repeat
 from jaxremat.profiling.profiler import profile
 from jaxremat.run import execute
-from jaxremat.solvers import ALGORITHMS, OFFLOAD_ALGORITHMS, min_budget, pareto, solve
+from jaxremat.solvers import ALGORITHMS, min_budget, pareto, solve
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALGORITHMS",
-    "Bandwidth",
     "Budget",
     "Chain",
     "ChainCosts",
     "InfeasibleBudget",
-    "Op",
-    "OFFLOAD_ALGORITHMS",
-    "OpKind",
     "Plan",
     "RematChain",
     "RematFunction",
-    "RematSequential",
-    "Replay",
     "Repeat",
     "Schedule",
     "Shared",
-    "StageDecision",
     "StageOption",
     "compiler_options",
     "execute",
@@ -65,7 +59,6 @@ __all__ = [
     "min_budget",
     "pareto",
     "parse_budget",
-    "parse_bytes",
     "plan",
     "profile",
     "remat",

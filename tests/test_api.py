@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import jaxremat as jr
+from jaxremat.api.nnx_model import RematSequential
 
 
 def mlp():
@@ -49,7 +50,7 @@ def test_public_signatures_say_what_they_take():
     assert hints(jr.solve)["budget"] == jr.Budget and hints(jr.parse_budget)["budget"] == jr.Budget
     assert hints(jr.remat_chain)["budget"] == jr.Budget and "return" in hints(jr.remat_chain)
     assert hints(jr.remat_nnx)["return"] is not None
-    for fn in (jr.profile, jr.plan, jr.RematChain.plan, jr.RematSequential.plan):
+    for fn in (jr.profile, jr.plan, jr.RematChain.plan, RematSequential.plan):
         assert "sample" in inspect.signature(fn).parameters, fn  # one name for the sample input
     for name in ("x", "xs", "inputs"):
         assert name not in inspect.signature(jr.plan).parameters

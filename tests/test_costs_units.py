@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import jaxremat as jr
+from jaxremat.core.units import parse_bytes
 from jaxremat.core.budgets import parse_budget
 
 
@@ -72,13 +73,13 @@ def test_costs_round_trip_and_equality():
     ],
 )
 def test_parse_bytes(text, expected):
-    assert jr.parse_bytes(text) == expected
+    assert parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize("bad", ["12 parsecs", "MiB", "", "-5", True, [1], math.nan])
 def test_parse_bytes_refuses_with_accepted_forms(bad):
     with pytest.raises(ValueError) as e:
-        jr.parse_bytes(bad)
+        parse_bytes(bad)
     assert "byte size" in str(e.value)
 
 

@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxremat as jr
+from jaxremat.solvers import OFFLOAD_ALGORITHMS
+from jaxremat.core.ops import Op
 from jaxremat.core.transfers import Bandwidth
 from jaxremat.solvers.offload import offload_ops
 
@@ -88,11 +90,11 @@ def test_bad_transfers_name_the_op(ops, bandwidth, message):
 
 
 def test_transfer_ops_and_bandwidth_records():
-    assert jr.Op("Offload", 3, "a").buffer == "a" and jr.Op("Fall", 2, 1).buffer is None
+    assert Op("Offload", 3, "a").buffer == "a" and Op("Fall", 2, 1).buffer is None
     with pytest.raises(ValueError, match="'a' .* or 'abar'"):
-        jr.Op("Prefetch", 1, "b")
+        Op("Prefetch", 1, "b")
     with pytest.raises(ValueError, match="only 'Offload' and 'Prefetch'"):
-        jr.Op("Fall", 1, "a")
+        Op("Fall", 1, "a")
     assert Bandwidth.of(4) == Bandwidth(4.0, 4.0) and Bandwidth.of((1, 2)).to_device == 2.0
     for bad in (0, -1, math.nan, math.inf, "fast", (1,), True):
         with pytest.raises(ValueError, match="bandwidth"):
@@ -275,7 +277,7 @@ def test_pareto_and_errors():
         jr.solve(c, None, algorithm="optimal_offload")
     with pytest.raises(ValueError, match="> 0"):
         jr.min_budget(c, algorithm="optimal_offload", bandwidth=-2)
-    assert "optimal_offload" in jr.OFFLOAD_ALGORITHMS and "optimal_offload" not in jr.ALGORITHMS
+    assert "optimal_offload" in OFFLOAD_ALGORITHMS and "optimal_offload" not in jr.ALGORITHMS
 
 
 def test_solve_time_grows_gently():

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 import jaxremat as jr
+from jaxremat.core.ops import OpKind
 from conftest import Noisy, plain_forward
 from jaxremat import profile
 from jaxremat.model.chain import Chain
 from jaxremat.profiling import Rates
 from jaxremat.core.compile import as_planned
 from jaxremat.core.loops import REGION, STORE, Part
-from jaxremat.core.ops import Op, OpKind
+from jaxremat.core.ops import Op
 from jaxremat.core.tree import to_ops
 from jaxremat.run.executor import execute
 from jaxremat.run.loop_plan import CopyKind
@@ -118,8 +119,8 @@ def test_the_step_holds_exactly_the_planned_transfers(noisy):
         f = execute(chain, s)
         step = lambda v, x: _grads(f, v, x, rngs)  # noqa: E731
         moves = _transfers(jax.make_jaxpr(step)(v, x).jaxpr)
-        offloads = [op for op in s.ops if op.kind is jr.OpKind.OFFLOAD]
-        prefetches = [op for op in s.ops if op.kind is jr.OpKind.PREFETCH]
+        offloads = [op for op in s.ops if op.kind is OpKind.OFFLOAD]
+        prefetches = [op for op in s.ops if op.kind is OpKind.PREFETCH]
         to_host = [b for d, b in moves if d == "host"]
         to_device = [b for d, b in moves if d == "device"]
         assert len(to_host) == len(offloads) and len(to_device) == len(prefetches)

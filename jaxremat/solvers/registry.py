@@ -22,7 +22,7 @@ from jaxremat.solvers.optimal import optimal_min_budget, solve_optimal
 class Algorithm:
     """A named way of making a schedule: ``solve(costs, budget_bytes, slots)`` (raises
     :class:`~jaxremat.InfeasibleBudget` when nothing fits) and ``min_budget(costs, slots)``.
-    An algorithm that ``offloads`` takes a :class:`~jaxremat.Bandwidth` as a last argument of both."""
+    An algorithm that ``offloads`` takes a :class:`~jaxremat.core.transfers.Bandwidth` as a last argument of both."""
 
     name: str
     solve: Callable[..., Schedule]
