@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from jaxremat.api.plans import Plan, PlanOptions, make_plan, signature
+from jaxremat.api.plans import Plan, PlanOptions, make_plan, option_names, signature
 from jaxremat.core.budgets import Budget, check_budget, is_share
 from jaxremat.core.costs import ChainCosts
 from jaxremat.model.chain import Chain
@@ -76,25 +76,9 @@ def warn_if_global(*trees: Any, budget: Budget = None) -> None:
 
 def plan_options(method: str | None = None, **options: Any) -> PlanOptions:
     """:class:`PlanOptions` from keyword arguments; an unknown one is a :class:`TypeError` naming those known."""
-    unknown = sorted(
-        set(options)
-        - {
-            "algorithm",
-            "slots",
-            "calibrate",
-            "max_period",
-            "policies",
-            "bandwidth",
-            "loss",
-            "verify",
-            "profile_options",
-        }
-    )
+    unknown = sorted(set(options) - set(option_names()) - {"profile_options"})
     if unknown:
-        raise TypeError(
-            f"unknown option(s) {', '.join(unknown)}; the options are algorithm, method, slots, calibrate, max_period, "
-            "policies, bandwidth, loss, verify"
-        )
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are {', '.join(option_names())}")
     return PlanOptions(method=method or "measure", **options)
 
 

@@ -34,6 +34,12 @@ VERSION = 8
 READS = (VERSION,)
 
 
+def option_names() -> tuple[str, ...]:
+    """The planning options a user may pass (:class:`PlanOptions`' fields): the one list every
+    entry point checks keywords against and names in its errors."""
+    return tuple(f.name for f in dataclasses.fields(PlanOptions) if f.name != "profile_options")
+
+
 def signature(chain: Chain, variables: Any, sample: Any) -> str:
     """What a plan depends on: each stage's identity (structure, variable shapes and dtypes) and
     the input's shapes and dtypes."""
@@ -306,4 +312,15 @@ def chain_measure(chain: Chain, variables: Any, sample: Any, policies: Any = Non
     return measure
 
 
-__all__ = ["FORMAT", "READS", "VERSION", "Plan", "PlanOptions", "SetupTime", "load_plan", "make_plan", "signature"]
+__all__ = [
+    "FORMAT",
+    "READS",
+    "VERSION",
+    "Plan",
+    "PlanOptions",
+    "SetupTime",
+    "load_plan",
+    "make_plan",
+    "option_names",
+    "signature",
+]

@@ -22,7 +22,7 @@ import optax
 
 from jaxremat.api.calibrate import measured_loss, measured_optimizer
 from jaxremat.api.planner import UNSET, plan_options, warn_if_global
-from jaxremat.api.plans import Plan, PlanOptions, SetupTime, make_plan
+from jaxremat.api.plans import Plan, PlanOptions, SetupTime, make_plan, option_names
 from jaxremat.api.user_blocks import user_blocks
 from jaxremat.api.verify import Measured, verify
 from jaxremat.core.budgets import Budget, check_budget, parse_budget
@@ -334,7 +334,7 @@ def remat(
         fun, budget = None, fun
     if budget is UNSET:
         raise TypeError("jaxremat.remat needs a budget: bytes, '512MiB', '40%', or None for the store-all peak")
-    known = {"algorithm", "method", "slots", "calibrate", "max_period", "policies", "bandwidth", "verify"}
+    known = set(option_names()) - {"loss"}  # the loss is the function's own output
     unknown = sorted(set(options) - known - set(PROFILE_KEYWORDS))
     if unknown:
         raise TypeError(
