@@ -112,3 +112,19 @@ def test_optional_flops_round_trip_and_table():
         jr.ChainCosts(**good(), fwd_flops=[1.0])
     with pytest.raises(ValueError, match=r"bwd_bytes\[0\] is negative"):
         jr.ChainCosts(**good(), bwd_bytes=[-1.0, 0.0])
+
+
+def test_every_array_of_the_record_is_validated_compared_and_saved():
+    # the arrays' field metadata is the one description: a new array cannot be left out of
+    # validation, equality, the hash or the plan file
+    from jaxremat.core.costs import array_fields
+
+    base = jr.ChainCosts(**good())
+    for f in array_fields():
+        n = len(getattr(base, f.name)) if getattr(base, f.name) is not None else 2
+        changed = next(c for v in (3, 1) if (c := jr.ChainCosts(**{**good(), f.name: [v] * n})) != base)
+        assert jr.ChainCosts.from_dict(changed.to_dict()) == changed and hash(changed) != hash(base), f.name
+        with pytest.raises(ValueError, match="entries"):
+            jr.ChainCosts(**{**good(), f.name: [1]})
+    assert {f.name for f in array_fields() if f.metadata["absent"] == "required"} == {
+        "x", "xbar", "fwd", "bwd", "fwd_tmp", "bwd_tmp"}

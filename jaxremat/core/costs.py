@@ -10,14 +10,33 @@ from typing import Any
 
 import numpy as np
 
+from jaxremat.core.cost_table import cost_table
 from jaxremat.core.options import STORE_ALL, StageOption, check_options
 from jaxremat.core.shared import Shared, check_shared
 from jaxremat.core.units import format_bytes
 
-_SIZE_FIELDS = ("x", "xbar", "fwd_tmp", "bwd_tmp")
-FIELDS = ("x", "xbar", "fwd", "bwd", "fwd_tmp", "bwd_tmp")
-OPTIONAL_FIELDS = ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "fb_flops")  # from XLA's cost analysis
-V2_FIELDS = ("fb", "fb_tmp")  # contract version 2: the fused forward-backward
+# What each array of the cost record is, as field metadata: the one description that validation,
+# equality, serialisation and the hash read (a new array is one field here, nothing else).
+#   per:     "activation" (L + 1 entries, a_0 .. a_L) or "stage" (L entries)
+#   bytes:   whole numbers (int64) or any number (float64)
+#   absent:  "required"; "none" (stays None: unknown); "zeros"; "derived" (:data:`_DERIVED`)
+#   since:   the contract version (docs/cost_model.md) that added it
+
+
+def _array(per: str, whole: bool, absent: str, since: int = 1, **kw: Any) -> Any:
+    meta = {"per": per, "bytes": whole, "absent": absent, "since": since}
+    return (
+        dataclasses.field(metadata=meta, **kw)
+        if absent == "required"
+        else dataclasses.field(default=None, metadata=meta, **kw)
+    )
+
+
+#: An array left out: what ``Fall i; B i`` costs (contract version 1)
+_DERIVED = {
+    "fb": lambda c: c.fwd + c.bwd,
+    "fb_tmp": lambda c: c.xbar + np.maximum(c.fwd_tmp - c.x[:-1], c.bwd_tmp),
+}
 
 
 def _as_array(name: str, values: Any, *, integral: bool) -> np.ndarray:
@@ -88,74 +107,61 @@ class ChainCosts:
     Arrays are stored as read-only numpy arrays (sizes as ``int64``, times as ``float64``).
     """
 
-    x: np.ndarray
-    xbar: np.ndarray
-    fwd: np.ndarray
-    bwd: np.ndarray
-    fwd_tmp: np.ndarray
-    bwd_tmp: np.ndarray
+    x: np.ndarray = _array("activation", True, "required")
+    xbar: np.ndarray = _array("stage", True, "required")
+    fwd: np.ndarray = _array("stage", False, "required")
+    bwd: np.ndarray = _array("stage", False, "required")
+    fwd_tmp: np.ndarray = _array("stage", True, "required")
+    bwd_tmp: np.ndarray = _array("stage", True, "required")
     names: tuple[str, ...] | None = None
-    fwd_flops: np.ndarray | None = None
-    bwd_flops: np.ndarray | None = None
-    fwd_bytes: np.ndarray | None = None
-    bwd_bytes: np.ndarray | None = None
-    fb_flops: np.ndarray | None = None
-    fb: np.ndarray | None = None
-    fb_tmp: np.ndarray | None = None
+    fwd_flops: np.ndarray | None = _array("stage", False, "none")  # from XLA's cost analysis
+    bwd_flops: np.ndarray | None = _array("stage", False, "none")
+    fwd_bytes: np.ndarray | None = _array("stage", False, "none")
+    bwd_bytes: np.ndarray | None = _array("stage", False, "none")
+    fb_flops: np.ndarray | None = _array("stage", False, "none")
+    fb: np.ndarray | None = _array("stage", False, "derived", since=2)  # the fused forward-backward
+    fb_tmp: np.ndarray | None = _array("stage", True, "derived", since=2)
     options: tuple[tuple[StageOption, ...], ...] | None = None
     devices: int = 1  # > 1: the sizes are per device, of a program partitioned over that many
     shared: tuple[Shared, ...] = ()
-    held: np.ndarray | None = None
-    fb_reuse: np.ndarray | None = None
-    unread: np.ndarray | None = None
+    held: np.ndarray | None = _array("stage", True, "zeros", since=5)
+    fb_reuse: np.ndarray | None = _array("stage", True, "zeros", since=6)
+    unread: np.ndarray | None = _array("stage", True, "zeros", since=7)
 
     def __post_init__(self) -> None:
-        for name in FIELDS:
-            arr = _as_array(name, getattr(self, name), integral=name in _SIZE_FIELDS)
-            object.__setattr__(self, name, arr)
-        n = len(self.xbar)
+        xbar = _as_array("xbar", self.xbar, integral=True)
+        n = len(xbar)
         if n == 0:
             raise ValueError("ChainCosts describes an empty chain: xbar has no entries; a chain needs >= 1 stage")
-        if len(self.x) != n + 1:
+        x = _as_array("x", self.x, integral=True)
+        if len(x) != n + 1:
             raise ValueError(
-                f"ChainCosts.x has {len(self.x)} entries but xbar has {n}: x needs L+1 = {n + 1} "
+                f"ChainCosts.x has {len(x)} entries but xbar has {n}: x needs L+1 = {n + 1} "
                 "(one per activation a_0..a_L)"
             )
-        for name in ("fwd", "bwd", "fwd_tmp", "bwd_tmp"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(
-                    f"ChainCosts.{name} has {len(getattr(self, name))} entries; expected L = {n} (one per stage)"
-                )
-        for name in OPTIONAL_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                arr = _as_array(name, value, integral=False)
-                if len(arr) != n:
-                    raise ValueError(f"ChainCosts.{name} has {len(arr)} entries; expected L = {n} (one per stage)")
-                object.__setattr__(self, name, arr)
+        derived = []
+        for f in array_fields():
+            value, meta = getattr(self, f.name), f.metadata
+            if value is None:
+                if meta["absent"] == "derived":
+                    derived.append(f)
+                if meta["absent"] != "zeros":
+                    continue
+                value = np.zeros(n, np.int64)
+            arr = _as_array(f.name, value, integral=meta["bytes"])
+            want = n + 1 if meta["per"] == "activation" else n
+            if len(arr) != want:
+                raise ValueError(f"ChainCosts.{f.name} has {len(arr)} entries; expected L = {n} (one per stage)")
+            object.__setattr__(self, f.name, arr)
+        for f in derived:  # from the arrays above
+            object.__setattr__(self, f.name, _as_array(f.name, _DERIVED[f.name](self), integral=f.metadata["bytes"]))
         if self.names is not None:
             names = tuple(str(s) for s in self.names)
             if len(names) != n:
                 raise ValueError(f"ChainCosts.names has {len(names)} entries; expected L = {n}")
             object.__setattr__(self, "names", names)
-        # FB i left out: what Fall i; B i costs (contract version 1)
-        fb = self.fwd + self.bwd if self.fb is None else self.fb
-        fb_tmp = self.fb_tmp
-        if fb_tmp is None:
-            fb_tmp = self.xbar + np.maximum(self.fwd_tmp - self.x[:-1], self.bwd_tmp)
-        for name, value in (("fb", fb), ("fb_tmp", fb_tmp)):
-            arr = _as_array(name, value, integral=name == "fb_tmp")
-            if len(arr) != n:
-                raise ValueError(f"ChainCosts.{name} has {len(arr)} entries; expected L = {n} (one per stage)")
-            object.__setattr__(self, name, arr)
         object.__setattr__(self, "options", check_options(self.options, n))
         object.__setattr__(self, "shared", check_shared(self.shared, self.x))
-        for name in ("held", "fb_reuse", "unread"):  # optional per-stage bytes, zeros by default
-            value = getattr(self, name)
-            arr = np.zeros(n, np.int64) if value is None else _as_array(name, value, integral=True)
-            if len(arr) != n:
-                raise ValueError(f"ChainCosts.{name} has {len(arr)} entries; expected L = {n} (one per stage)")
-            object.__setattr__(self, name, arr)
         for i in np.flatnonzero(self.unread > np.minimum(self.xbar, self.x[1:])):
             raise ValueError(
                 f"ChainCosts.unread[{i}] = {self.unread[i]} is more than stage {i}'s output or bundle "
@@ -165,8 +171,10 @@ class ChainCosts:
         for i, per in enumerate(self.options or ()):
             for k, o in enumerate(per):
                 if o.unread > self.x[i + 1]:
-                    raise ValueError(f"ChainCosts.options[{i}][{k}] ({o.name}): unread = {o.unread} is more than stage "
-                                     f"{i}'s output (x[{i + 1}] = {self.x[i + 1]})")
+                    raise ValueError(
+                        f"ChainCosts.options[{i}][{k}] ({o.name}): unread = {o.unread} is more than stage "
+                        f"{i}'s output (x[{i + 1}] = {self.x[i + 1]})"
+                    )
         for v in self.shared:  # a bundle holds its output's new shared values
             made = v.first - 1
             for k in range(self.option_count(made)):
@@ -199,7 +207,7 @@ class ChainCosts:
         return True
 
     def __hash__(self) -> int:
-        return hash(tuple(getattr(self, f).tobytes() for f in FIELDS + V2_FIELDS))
+        return hash(tuple(a.tobytes() for f in array_fields() if (a := getattr(self, f.name)) is not None))
 
     @functools.cached_property
     def held_before(self) -> np.ndarray:
@@ -257,8 +265,9 @@ class ChainCosts:
         if not 0 <= k < self.option_count(i):
             raise ValueError(f"stage {i} has {self.option_count(i)} store option(s); there is no option {k}")
         if k == 0:
-            return StageOption(STORE_ALL, int(self.xbar[i]), float(self.bwd[i]), int(self.bwd_tmp[i]),
-                               unread=int(self.unread[i]))
+            return StageOption(
+                STORE_ALL, int(self.xbar[i]), float(self.bwd[i]), int(self.bwd_tmp[i]), unread=int(self.unread[i])
+            )
         return self.options[i][k - 1]
 
     @functools.cached_property
@@ -288,35 +297,34 @@ class ChainCosts:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain lists (JSON-ready)."""
-        d: dict[str, Any] = {f: getattr(self, f).tolist() for f in FIELDS}
+        """Plain lists (JSON-ready); arrays that are unknown, or zeros by default, left out."""
+        d: dict[str, Any] = {}
+        for f in array_fields():
+            value = getattr(self, f.name)
+            if value is not None and (f.metadata["absent"] != "zeros" or value.any()):
+                d[f.name] = value.tolist()
         if self.names is not None:
             d["names"] = list(self.names)
-        d.update({f: getattr(self, f).tolist() for f in OPTIONAL_FIELDS if getattr(self, f) is not None})
-        d.update({f: getattr(self, f).tolist() for f in V2_FIELDS})
         if self.options is not None:
             d["options"] = [[dataclasses.asdict(o) for o in per] for per in self.options]
         if self.devices != 1:
             d["devices"] = self.devices
         if self.shared:
             d["shared"] = [dataclasses.asdict(v) for v in self.shared]
-        if self.held.any():
-            d["held"] = self.held.tolist()
-        if self.fb_reuse.any():
-            d["fb_reuse"] = self.fb_reuse.tolist()
-        if self.unread.any():
-            d["unread"] = self.unread.tolist()
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ChainCosts":
-        missing = [f for f in FIELDS if f not in d]
+        arrays = array_fields()
+        missing = [f.name for f in arrays if f.metadata["absent"] == "required" and f.name not in d]
         if missing:
             raise ValueError(f"ChainCosts.from_dict: missing field(s) {missing}")
         return cls(
-            **{f: d[f] for f in FIELDS}, names=d.get("names"), **{f: d.get(f) for f in OPTIONAL_FIELDS + V2_FIELDS},
-            options=d.get("options"), devices=int(d.get("devices", 1)), shared=d.get("shared", ()), held=d.get("held"),
-            fb_reuse=d.get("fb_reuse"), unread=d.get("unread"),
+            **{f.name: d.get(f.name) for f in arrays},
+            names=d.get("names"),
+            options=d.get("options"),
+            devices=int(d.get("devices", 1)),
+            shared=d.get("shared", ()),
         )
 
     @classmethod
@@ -344,48 +352,15 @@ class ChainCosts:
     def table(self, time_unit: str = "ms") -> str:
         """Per stage: name, output size, store-all size, temporaries, times (seconds shown in
         ``time_unit``: "s", "ms" or "us"), ``FB``'s time and bytes, the store options, when known
-        forward and backward GFLOP, and where any the output bytes a backward does not read."""
-        scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
-        head = ["stage", "x (out)", "xbar", "fwd_tmp", "bwd_tmp", f"fwd {time_unit}", f"bwd {time_unit}",
-                f"FB {time_unit}", "FB tmp"]
-        flops = self.fwd_flops is not None and self.bwd_flops is not None
-        if flops:
-            head += ["fwd GFLOP", "bwd GFLOP"]
-        unread = self.unread.any() or any(o.unread for per in self.options or () for o in per)
-        if unread:
-            head.append("unread")
-        if self.options is not None:
-            head.append(f"options: xbar / bwd {time_unit} / bwd_tmp" + (" (/ unread)" if unread else ""))
-        rows = [head]
-        for i in range(self.length):
-            row = [
-                self.stage_name(i), format_bytes(self.x[i + 1]), format_bytes(self.xbar[i]),
-                format_bytes(self.fwd_tmp[i]), format_bytes(self.bwd_tmp[i]),
-                f"{scale * self.fwd[i]:.4g}", f"{scale * self.bwd[i]:.4g}",
-                f"{scale * self.fb[i]:.4g}", format_bytes(self.fb_tmp[i]),
-            ]
-            if flops:
-                row += [f"{self.fwd_flops[i] / 1e9:.4g}", f"{self.bwd_flops[i] / 1e9:.4g}"]
-            if unread:
-                row.append(format_bytes(self.unread[i]))
-            if self.options is not None:
-                row.append("; ".join(
-                    f"{o.name} {format_bytes(o.xbar)} / {scale * o.bwd:.4g} / {format_bytes(o.bwd_tmp)}"
-                    + (f" / {format_bytes(o.unread)}" if o.unread else "")
-                    for o in self.options[i]
-                ))
-            rows.append(row)
-        widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.insert(0, f"input a_0: {format_bytes(self.x[0])}"
-                     + (f"; made from constants at the step's start, held until each backward: "
-                        f"{format_bytes(self.held.sum())}" if self.held.any() else ""))
-        for v in self.shared:
-            name = f" {v.name}" if v.name else ""
-            lines.append(f"shared{name}: {format_bytes(v.nbytes)} in a_{v.first} .. a_{v.last}")
-        return "\n".join(lines)
+        forward and backward GFLOP, and where any the output bytes a backward does not read
+        (:func:`~jaxremat.core.cost_table.cost_table`)."""
+        return cost_table(self, time_unit)
 
     def stage_name(self, i: int) -> str:
         return self.names[i] if self.names is not None else f"stage {i}"
 
+
+def array_fields() -> tuple[dataclasses.Field, ...]:
+    """The arrays of :class:`ChainCosts`, with their metadata (``per``, ``bytes``, ``absent``,
+    ``since``), required ones first."""
+    return tuple(f for f in dataclasses.fields(ChainCosts) if "per" in f.metadata)
