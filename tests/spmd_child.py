@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import jaxremat as jr  # noqa: E402
 from jaxremat.model.chain import Chain  # noqa: E402
 from jaxremat.profiling import Rates  # noqa: E402
-from jaxremat.profiling.xla_buffers import shape_bytes  # noqa: E402
+from jaxremat.profiling.buffer_dump import shape_bytes  # noqa: E402
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # Store options (checkpoint policies) are profiled for the tensor-parallel mesh's Repeat (a block

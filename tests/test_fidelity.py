@@ -271,7 +271,7 @@ def test_the_last_stage_is_measured_with_the_loss(monkeypatch):
     import jax
 
     import jaxremat as jr
-    import jaxremat.profiling.stage as stage
+    import jaxremat.profiling.stage_memory as stage
     import jaxremat.run._walk as walk
     from jaxremat.api.calibrate import measured_loss, step_temp
     from jaxremat.model.chain import Chain

@@ -295,7 +295,8 @@ def test_an_output_written_over_a_dying_temporary_shares_its_bytes():
     """Live ranges include both ends, so at an element-wise fusion that writes its output over an
     operand dying there both are live; the buffer assignment gives them one slot, and the bytes
     they share count once. A GPT block's fused forward-backward measured 1 MiB more without this."""
-    from jaxremat.profiling.xla_buffers import _peak, _Slot
+    from jaxremat.profiling.buffer_dump import _Slot
+    from jaxremat.profiling.xla_buffers import _peak
 
     seq = ["a", "b", "c", "d"]
     ranges = {"a{}": (0, 2), "b{}": (2, 3), "c{}": (1, 3)}

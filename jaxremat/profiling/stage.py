@@ -12,12 +12,11 @@ import jax.numpy as jnp
 from jaxremat.core.compile import compiler_options
 from jaxremat.model.stage import Stage
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
+from jaxremat.profiling.buffer_dump import HLO_TYPES
 from jaxremat.profiling.rates import Rates
 from jaxremat.profiling.stage_memory import backward_memory, with_loss
 from jaxremat.profiling.timing import Program, StageTimes, option_time, roofline_floor
-from jaxremat.profiling.xla_buffers import (
-    HLO_TYPES, fused_bytes,
-)
+from jaxremat.profiling.xla_buffers import fused_bytes
 
 
 @dataclass(frozen=True)

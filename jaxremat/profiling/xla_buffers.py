@@ -9,8 +9,6 @@ decided what to store and what to recompute.
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 import shutil
 import tempfile
@@ -19,11 +17,7 @@ from typing import Any, Callable, Collection, NamedTuple
 import jax
 
 from jaxremat.core.compile import compiler_options
-
-_VALUE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
-_ALLOC = re.compile(r"^allocation (\d+): size \d+(.*)$")
-_RANGE = re.compile(r"^\s*(\S+):(\d+)-(\d+)$")
-_SEQ = re.compile(r"^\s*(\d+):(\S+)$")
+from jaxremat.profiling.buffer_dump import BufferDump, _Slot, shape_bytes
 
 
 def compile_with_dump(fn: Callable, *args: Any, options: dict | None = None) -> tuple[Any, str]:
@@ -32,79 +26,6 @@ def compile_with_dump(fn: Callable, *args: Any, options: dict | None = None) -> 
     opts = {**compiler_options(), **(options or {}), "xla_dump_to": folder, "xla_dump_hlo_pass_re": ""}
     compiled = jax.jit(fn, keep_unused=True).lower(*args).compile(opts)  # parameter numbers = leaf order
     return compiled, folder
-
-
-def _read(folder: str, suffix: str) -> str:
-    paths = sorted(glob.glob(os.path.join(folder, f"*cpu_after_optimizations-{suffix}.txt")))
-    if not paths:
-        paths = sorted(glob.glob(os.path.join(folder, f"*after_optimizations-{suffix}.txt")))
-    if not paths:
-        raise RuntimeError(f"XLA wrote no {suffix} dump in {folder}; the backend may not support dumps")
-    with open(paths[-1]) as f:
-        return f.read()
-
-
-class _Slot(NamedTuple):
-    """Where the buffer assignment put a value: its allocation and byte range in it."""
-
-    allocation: int
-    offset: int
-    size: int
-
-
-def buffer_slots(folder: str, kinds: tuple[str, ...] = ("temp", "output")) -> dict[str, _Slot]:
-    """The slot of every non-tuple buffer value of the given allocation kinds, by live-range name.
-
-    Kinds: ``"parameter"``, ``"constant"``, ``"output"`` (may live out) and ``"temp"`` (the rest).
-    """
-    slots: dict[str, _Slot] = {}
-    kind, number = "temp", -1
-    for line in _read(folder, "buffer-assignment").splitlines():
-        alloc = _ALLOC.match(line)
-        if alloc:
-            number, flags = int(alloc.group(1)), alloc.group(2)
-            kind = (
-                "parameter" if "parameter" in flags else "constant" if "constant" in flags
-                else "output" if "live-out" in flags or "output" in flags else "temp"
-            )
-            continue
-        if line.startswith("BufferAssignment stats") or line.startswith("Total bytes"):
-            break
-        value = _VALUE.match(line)
-        if value and kind in kinds:
-            name, size, offset, shape = value.group(1), int(value.group(2)), int(value.group(3)), value.group(4)
-            if shape.startswith("("):
-                continue  # a tuple's index table, not data
-            slots[name if "{" in name else name + "{}"] = _Slot(number, offset, size)
-    return slots
-
-
-def buffer_sizes(folder: str, kinds: tuple[str, ...] = ("temp", "output")) -> dict[str, int]:
-    """Size of every non-tuple buffer value of the given allocation kinds, by live-range name
-    (kinds as for :func:`buffer_slots`)."""
-    return {name: slot.size for name, slot in buffer_slots(folder, kinds).items()}
-
-
-def _live_ranges(folder: str) -> tuple[list[str], dict[str, tuple[int, int]]]:
-    """The scheduled instruction sequence and every value's live range over it."""
-    seq: list[str] = []
-    ranges: dict[str, tuple[int, int]] = {}
-    section = None
-    for line in _read(folder, "live-range").splitlines():
-        stripped = line.strip()
-        if stripped.startswith("InstructionSequence"):
-            section = "seq"
-            continue
-        if stripped.startswith("BufferLiveRange"):
-            section = "range"
-            continue
-        if stripped.startswith("Live ranges at"):
-            break
-        if section == "seq" and (m := _SEQ.match(line)):
-            seq.append(m.group(2))
-        elif section == "range" and (m := _RANGE.match(line)):
-            ranges[m.group(1)] = (int(m.group(2)), int(m.group(3)))
-    return seq, ranges
 
 
 def _peak(
@@ -138,7 +59,7 @@ def _peak(
     return live
 
 
-def transient_beyond_inputs(folder: str, outputs: bool = False, reuse: bool | Collection[int] = True) -> int:
+def transient_beyond_inputs(dump: BufferDump, outputs: bool = False, reuse: bool | Collection[int] = True) -> int:
     """Peak bytes of a program's temporaries beyond its inputs, crediting inputs freed early.
 
     Inputs count until their last use (in a training step their buffers are reusable after
@@ -154,10 +75,10 @@ def transient_beyond_inputs(folder: str, outputs: bool = False, reuse: bool | Co
     intermediates in an output's buffer before the output is written); the caller subtracts the
     outputs the cost model counts by itself.
     """
-    seq, ranges = _live_ranges(folder)
+    seq, ranges = dump.seq, dump.ranges
     position = {name: i for i, name in enumerate(seq)}
-    values = _values(folder)
-    params = buffer_sizes(folder, ("parameter",))
+    values = dump.values
+    params = dump.sizes_of(("parameter",))
     live = [0] * (len(seq) + 1)
     taken: set[str] = set()  # fusions whose output already reuses a dying input
     for name, size in sorted(params.items(), key=lambda kv: -kv[1]):
@@ -171,72 +92,12 @@ def transient_beyond_inputs(folder: str, outputs: bool = False, reuse: bool | Co
             last -= 1
         for t in range(0, last + 1):
             live[t] += size
-    live = _peak(seq, ranges, buffer_slots(folder, ("temp", "output") if outputs else ("temp",)), live)
+    live = _peak(seq, ranges, dump.slots_of(("temp", "output") if outputs else ("temp",)), live)
     return max(0, max(live) - sum(params.values()))
 
 
-_OPERANDS = re.compile(r"\s[a-z][\w\-]*\((%[^)]*)\)")
-_SHAPE = re.compile(r"=\s*(\S+)\s")
-
-
-#: numpy's dtype names as HLO writes them, with their bytes: the one table of both
-HLO_TYPES = {"bool": ("pred", 1), "int8": ("s8", 1), "uint8": ("u8", 1), "float16": ("f16", 2), "bfloat16": ("bf16", 2),
-             "int16": ("s16", 2), "uint16": ("u16", 2), "float32": ("f32", 4), "int32": ("s32", 4),
-             "uint32": ("u32", 4), "float64": ("f64", 8), "int64": ("s64", 8), "uint64": ("u64", 8),
-             "complex64": ("c64", 8), "complex128": ("c128", 16)}
-_DTYPE_BYTES = dict(HLO_TYPES.values())
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO array shape such as ``f32[64,128]{1,0}`` (0 when it is not one)."""
-    m = re.match(r"(\w+)\[([\d,]*)\]", shape)
-    if not m or m.group(1) not in _DTYPE_BYTES:
-        return 0
-    n = 1
-    for d in filter(None, m.group(2).split(",")):
-        n *= int(d)
-    return n * _DTYPE_BYTES[m.group(1)]
-
-
-class _Value(NamedTuple):
-    operands: list[str]  # instruction names
-    uses: list[str]  # instructions that use it
-    leaf: bool  # an entry parameter or a constant
-    parameter: int | None  # the entry parameter's number
-    shape: str  # e.g. ``f32[2048,512]{1,0}``
-    elementwise: bool  # a loop fusion: may write its output over an operand that dies there
-
-
-def _values(folder: str) -> dict[str, _Value]:
-    """Every value of the buffer assignment, by instruction name."""
-    out: dict[str, _Value] = {}
-    name, uses, mode = None, [], None
-    for line in _read(folder, "buffer-assignment-values").splitlines():
-        if line.startswith("<"):
-            name, uses, mode = line.split()[1], [], None
-        elif line.strip() == "uses:":
-            mode = "uses"
-        elif line.strip() == "positions:":
-            mode = "positions"
-        elif line.startswith(" from instruction:") and name is not None:
-            text = line.split("=", 1)[1] if "=" in line else ""
-            m = _OPERANDS.search(text)
-            operands = re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
-            leaf = " parameter(" in text or " constant(" in text
-            number = re.search(r" parameter\((\d+)\)", text)
-            shape = _SHAPE.search(line)
-            out[name] = _Value(
-                operands, uses, leaf, int(number.group(1)) if number else None, shape.group(1) if shape else "",
-                "kind=kLoop" in text,
-            )
-            mode = None
-        elif mode == "uses" and line.strip() and line.strip() != "(none)":
-            uses.append(line.strip().split(",")[0])
-    return out
-
-
 def live_across_barrier(
-    folder: str, activations: Collection[int] = (), parameters: Collection[int] = (), step_input: bool = False,
+    dump: BufferDump, activations: Collection[int] = (), parameters: Collection[int] = (), step_input: bool = False,
 ) -> int:
     """Bytes of the buffers (not parameters) whose live range spans every optimisation barrier.
 
@@ -262,13 +123,13 @@ def live_across_barrier(
     indices (2 KiB); left out, storing the stage whole was predicted that much under what XLA
     keeps, and the policy that recomputes it no better.
     """
-    seq, ranges = _live_ranges(folder)
+    seq, ranges = dump.seq, dump.ranges
     barriers = [i for i, name in enumerate(seq) if name.startswith(("optimization_barrier", "opt-barrier"))]
     if not barriers:
         raise RuntimeError("no optimization barrier survived compilation; was cse_barrier_expander disabled?")
     first, last = min(barriers), max(barriers)
     position = {name: i for i, name in enumerate(seq)}
-    values = _values(folder)
+    values = dump.values
     leaves = {n for n, v in values.items() if v.leaf}
     consts = {n for n in leaves if values[n].parameter is None}
     acts = set(activations)
@@ -305,7 +166,7 @@ def live_across_barrier(
                 and not any(o in kernels for o in values[name].operands)
                 and not (step_input and any(o in inputs for o in values[name].operands)))
 
-    sizes = buffer_sizes(folder)
+    sizes = dump.sizes_of()
     return sum(
         size
         for name, size in sizes.items()
@@ -322,12 +183,12 @@ def bytes_kept_across_barrier(
     leaves of ``args``); the dump folder is removed afterwards."""
     compiled, folder = compile_with_dump(fn, *args, options=options)
     try:
-        return compiled, live_across_barrier(folder, activations, parameters, step_input)
+        return compiled, live_across_barrier(BufferDump.read(folder), activations, parameters, step_input)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def constant_made_bytes(folder: str, outputs: Collection[str] = ()) -> int:
+def constant_made_bytes(dump: BufferDump, outputs: Collection[str] = ()) -> int:
     """Bytes of the buffers computed from constants alone (a zero-filled buffer that a
     transposed resize, pooling or pad scatters its gradient into, an embedding's gradient):
     temporaries, and outputs of an array shape in ``outputs`` (the input and parameter
@@ -336,12 +197,12 @@ def constant_made_bytes(folder: str, outputs: Collection[str] = ()) -> int:
     A whole training step computes them at its start, before any stage runs (nothing they read
     ties them to the backward), and keeps them until the backward that fills them: measured on a
     U-Net, 216 KiB of 1.38 MiB live from the step's first instructions."""
-    values = _values(folder)
+    values = dump.values
     consts = {n for n, v in values.items() if v.leaf and v.parameter is None}
     wanted = {re.sub(r"\{.*", "", o) for o in outputs}
     total = 0
     for kind in ("temp", "output"):
-        for name, size in buffer_sizes(folder, (kind,)).items():
+        for name, size in dump.sizes_of((kind,)).items():
             v = values.get(name.split("{")[0])
             if v is None or v.leaf or not v.operands or not all(o in consts for o in v.operands):
                 continue
@@ -353,10 +214,11 @@ def constant_made_bytes(folder: str, outputs: Collection[str] = ()) -> int:
 def _compiled_and(
     fn: Callable, args: tuple, read: Callable[[str], Any], options: dict | None = None
 ) -> tuple[Any, Any]:
-    """Compile ``fn`` with XLA's buffer dumps and return (compiled, ``read(dump folder)``)."""
+    """Compile ``fn`` with XLA's buffer dumps and return (compiled, ``read`` of its
+    :class:`BufferDump`)."""
     compiled, folder = compile_with_dump(fn, *args, options=options)
     try:
-        return compiled, read(folder)
+        return compiled, read(BufferDump.read(folder))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -365,7 +227,7 @@ def transient_bytes(
     fn: Callable, *args: Any, options: dict | None = None, outputs: bool = False, reuse: bool | Collection[int] = True,
 ) -> tuple[Any, int]:
     """Compile ``fn`` and return (compiled, :func:`transient_beyond_inputs` of it)."""
-    return _compiled_and(fn, args, lambda folder: transient_beyond_inputs(folder, outputs, reuse), options)
+    return _compiled_and(fn, args, lambda dump: transient_beyond_inputs(dump, outputs, reuse), options)
 
 
 class FusedBytes(NamedTuple):
@@ -382,10 +244,10 @@ def fused_bytes(fn: Callable, *args: Any, reuse: Collection[int], constants: Col
     output written over the dying inputs ``reuse`` (entry parameter numbers), and what it makes
     from constants alone (``constants``: output shapes, as for :func:`constant_made_bytes`)."""
 
-    def read(folder: str) -> tuple[int, int, int]:
-        got = transient_beyond_inputs(folder, False, reuse)
-        plain = transient_beyond_inputs(folder, False, False)
-        return got, max(0, plain - got), constant_made_bytes(folder, constants)
+    def read(dump: BufferDump) -> tuple[int, int, int]:
+        got = transient_beyond_inputs(dump, False, reuse)
+        plain = transient_beyond_inputs(dump, False, False)
+        return got, max(0, plain - got), constant_made_bytes(dump, constants)
 
     compiled, (got, saving, held) = _compiled_and(fn, args, read)
     return FusedBytes(compiled, got, saving, held)
