@@ -255,7 +255,7 @@ class RematFunction:
         """``plan`` checked by XLA (:func:`~jaxremat.api.verify.verify`), corrected if over;
         ``earlier``: the schedules compiled for this signature at other budgets."""
         o = self.options
-        if o.verify is False or o.calibrate or canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
+        if o.verify is False or canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
             return plan
         if jax.device_count() > 1 and not is_sharded(flat):
             # a plan for global shapes on several devices (shardings not visible): nothing to
@@ -334,7 +334,9 @@ def remat(
         fun, budget = None, fun
     if budget is UNSET:
         raise TypeError("jaxremat.remat needs a budget: bytes, '512MiB', '40%', or None for the store-all peak")
-    known = set(option_names()) - {"loss"}  # the loss is the function's own output
+    # the loss is the function's own output; it verifies instead of calibrating, and has no
+    # Repeat loops whose period to bound
+    known = set(option_names()) - {"loss", "calibrate", "max_period"}
     unknown = sorted(set(options) - known - set(PROFILE_KEYWORDS))
     if unknown:
         raise TypeError(
@@ -346,8 +348,6 @@ def remat(
         **{k: v for k, v in options.items() if k in known},
         profile_options={k: v for k, v in options.items() if k not in known},
     )
-    if opts.calibrate:
-        raise ValueError("jaxremat.remat does not calibrate yet; plan from the cost model, or use remat_chain")
     if fun is None:
         return lambda f: RematFunction(f, budget, stages, max_stages, opts)
     return RematFunction(fun, budget, stages, max_stages, opts)
