@@ -21,6 +21,7 @@ from jaxremat.run._offload import offloaded_stage
 from jaxremat.run._regions import mark_of, tap, tied_checkpoint
 from jaxremat.run._scans import run_offload_loop, run_selective, scan_units
 from jaxremat.run._variables import Cut, Env, unstack
+from jaxremat.run.decisions import Decisions
 from jaxremat.run.loop_plan import Alike, LoopPlan, OffloadLoop, PatternLoop, SelectiveLoop, Stretch
 
 
@@ -39,20 +40,11 @@ class Walker:
         loops: LoopPlan,
         alike: Alike,
         scan: bool | None,
-        policies: dict[tuple[int, int], Policy],
-        offloaded: frozenset[tuple[str, int]] = frozenset(),
-        reuses: frozenset[int] = frozenset(),
-        tie_policies: bool = True,
-        sealed: frozenset[int] = frozenset(),
-        blocks: dict[int, tuple[Block, Policy]] | None = None,
+        decided: Decisions,
     ):
         self.chain, self.rngs, self.cut, self.loops, self.alike, self.scan = chain, rngs, cut, loops, alike, scan
-        self.tie_policies = tie_policies  # whether top-level stages under a policy tie too (see stage)
-        self.sealed = sealed  # top-level stages whose input passes a barrier (see stage)
-        self.policies = policies  # (stage, store option) -> the checkpoint policy it runs under
-        self.offloaded = offloaded  # ("a", i) / ("abar", i): buffers kept in host memory
-        self.reuses = reuses  # stages whose FB writes over the incoming cotangent (ChainCosts.fb_reuse)
-        self.blocks = blocks or {}  # first stage -> a block of top-level stored stages and its policy
+        self.decided = decided  # what the schedule decided for each stage (run.decisions)
+        self.offloaded = decided.offloaded
         self.L = len(chain)
 
     # -- one stage, one unit ---------------------------------------------------------------------
@@ -66,45 +58,25 @@ class Walker:
         return stage_rngs(self.rngs, i + (env.offset if env is not None else 0))
 
     def stage(self, i: int, a: Any, updates: dict, env: Env | None, option: int = 0, top: bool = False) -> Any:
-        """Stage ``i`` stored under ``option``: 0 keeps every residual, another runs the stage
-        under ``jax.checkpoint`` with the option's policy (its backward recomputes the rest).
-        A top-level stage whose bundle or input the schedule offloads keeps them in host memory.
-        A top-level stage after the first ties its parameter gradient to its input's cotangent
-        (:func:`~jaxremat.run._grad_tie.tied_gradients`: no copies of donated kernels); inside a
-        region, the region's own barrier does.
-
-        A stage under a policy ties too, unless ``tie_policies`` is false: the plan stores every
-        top-level stage under a policy, recomputes nothing, and then compiles to the hand-written
-        strategy's step (measured on the CPU, 2026-12-04, update step). Untied, each convolution
-        under a policy keeps a copy of its kernel from the step's start to its backward: the conv
-        autoencoder's plan that recomputes three stages and stores seven under policies was
-        predicted 15.38 MiB and used 15.79 untied, 15.38 tied. But where every stage is under
-        ``dots_saveable``, the tie trades those copies for transposed activations in the
-        backward: a ResNet's used 14.79 MiB tied where the strategy's used 14.67 (untied: the
-        same 14.67), a 12-block GPT's 47.768 against 47.766.
-
-        A top-level stage in ``sealed`` (stored whole, right after a stage under a policy) reads
-        its input through an optimisation barrier, as made. A stage's output is often
-        element-wise in buffers of its own (a residual block's ``relu(x + h)``), and XLA fuses it
-        into every reader instead of making it. Where the previous stage is stored whole, those
-        buffers are in its bundle anyway; under a policy, its bundle holds copies of the saved
-        ones, so the fused reads in this stage's backward keep the originals alive: a ResNet's
-        plan alternating blocks stored whole and under ``dots_saveable`` was predicted 20.80 MiB
-        and used 22.27, 20.56 sealed. Not everywhere: between stages stored whole, the fusion
-        saves memory (a store-all step of 6 small residual blocks used 4.18 MiB, 4.78 sealed)."""
+        """Stage ``i`` stored under ``option``, as :meth:`Decisions.stage
+        <jaxremat.run.decisions.Decisions.stage>` says: 0 keeps every residual, another runs the
+        stage under ``jax.checkpoint`` with the option's policy (its backward recomputes the rest);
+        its bundle or input in host memory where the schedule offloads them; its parameter
+        gradient tied to its input's cotangent (:func:`~jaxremat.run._grad_tie.tied_gradients`: no
+        copies of donated kernels; inside a region, the region's own barrier does); its input
+        through a barrier where sealed. Recomputed alone in a region, a stage holding the user's
+        own checkpoint runs its body (:attr:`~jaxremat.model.stage.Stage.unwrapped`)."""
         stage = self.chain.stages[i]
-        # recomputed alone: the user's own checkpoint inside would only run its forward again
+        how = self.decided.stage(i, option, top, outermost=env is None)
         apply = stage.unwrapped if env is not None and env.alone and stage.unwrapped else stage.apply
-        if option:
-            apply = jax.checkpoint(apply, policy=self.policies[(i, option)])
-        bundle, inputs = top and ("abar", i) in self.offloaded, top and ("a", i) in self.offloaded
-        if bundle or inputs:
-            moved = offloaded_stage(apply, bundle=bundle, inputs=inputs)
+        if how.policy is not None:
+            apply = jax.checkpoint(apply, policy=how.policy)
+        if how.host_bundle or how.host_input:
+            moved = offloaded_stage(apply, bundle=how.host_bundle, inputs=how.host_input)
             apply = lambda v, a, keys: moved(v, keys, a)  # noqa: E731
-        # outermost: an offloaded stage's residuals are those of its own vjp
-        if env is None and i > 0 and (not option or self.tie_policies):
+        if how.tied:  # outermost: an offloaded stage's residuals are those of its own vjp
             apply = tied_gradients(apply)
-        if top and i in self.sealed:
+        if how.sealed:
             a = lax.optimization_barrier(a)
         out, new = apply(self.variables(i, env), a, self.keys(i, env))
         if new:
@@ -187,7 +159,8 @@ class Walker:
         input's cotangent to a region right before it directly, ordered by a token instead: where
         the stage before it writes over that cotangent in its FB (``ChainCosts.fb_reuse``)."""
         region = [isinstance(u, RegionUnit) for u in run]
-        return [j > 0 and region[j] and region[j - 1] and run[j].start - 1 in self.reuses for j in range(len(run))]
+        reuses = self.decided.reuses
+        return [j > 0 and region[j] and region[j - 1] and run[j].start - 1 in reuses for j in range(len(run))]
 
     def in_turn(
         self,
@@ -211,8 +184,8 @@ class Walker:
                 continue
             if tapped is not None and unit.start == tapped[0]:
                 a = tap(a, tapped[1])
-            if env is None and unit.start in self.blocks:
-                block, policy = self.blocks[unit.start]
+            if env is None and unit.start in self.decided.blocks:
+                block, policy = self.decided.blocks[unit.start]
                 a, token, until = self.block(block, policy, a, updates), None, block.stop
                 continue
             a, token = self.unit(
@@ -274,7 +247,7 @@ class Walker:
                     updates,
                     self.cut.pieces[seg.start],
                     self.rngs,
-                    self.policies,
+                    self.decided.policies,
                 )
             elif isinstance(seg, PatternLoop):
                 a = self.pattern_loop(seg, a, updates)

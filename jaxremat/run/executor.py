@@ -14,15 +14,14 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Mapping
 
-import numpy as np
-
-from jaxremat.core.policies import Policy, resolve
+from jaxremat.core.policies import Policy
 from jaxremat.core.schedule import Schedule
-from jaxremat.core.tree import StoreUnit, offloads_in, parse_offloads, units
+from jaxremat.core.tree import offloads_in, parse_offloads, units
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs
 from jaxremat.run._variables import cut_variables
 from jaxremat.run._walk import Walker
+from jaxremat.run.decisions import decide
 from jaxremat.run.loop_plan import Alike, plan_loops
 
 
@@ -74,35 +73,8 @@ def execute(
     if schedule.costs.length != L:
         raise ValueError(f"the schedule is for a chain of {schedule.costs.length} stages; this chain has {L}")
     tree, offloaded = parse_offloads(schedule.ops, L)
-    spine, leaf = units(tree)
-    used = {(op.stage, op.option) for op in schedule.ops if op.option}
-    resolved = {
-        (i, k): resolve(schedule.costs.option(i, k).name, policies, f"stage {i} ({chain.stages[i].name}), option {k},")
-        for i, k in sorted(used)
-    }
-
-    # stages whose FB writes over the incoming cotangent: the region after one hands it over directly
-    reuses = frozenset(int(i) for i in np.flatnonzero(schedule.costs.fb_reuse))
-    # a plan that stores every top-level stage (but the first, never tied) under a policy is the
-    # hand-written strategy's step: its stages stay as jax.checkpoint makes them (Walker.stage)
-    under_policy = lambda stage, option: option > 0 or stage == 0  # noqa: E731
-    tie_policies = not (
-        all(isinstance(u, StoreUnit) and under_policy(u.stage, u.option) for u in spine)
-        and (leaf.stage == L or (under_policy(leaf.stage, leaf.option) and not leaf.fused))
-    )
-    # stages stored whole right after one under a policy read their input as made (Walker.stage)
-    sealed = frozenset(
-        u.stage
-        for t, u in zip(spine, spine[1:])
-        if isinstance(t, StoreUnit) and t.option and isinstance(u, StoreUnit) and not u.option
-    )
-
-    blocks = {}
-    top_stored = {u.stage for u in spine if isinstance(u, StoreUnit)}
-    for b in schedule.blocks:
-        if not top_stored.issuperset(range(b.start, b.stop)) or chain.group_of(b.start) is not None:
-            raise ValueError(f"{b}: a block runs stages stored at the top level, outside a Repeat")
-        blocks[b.start] = (b, resolve(b.policy, policies, f"stages {b.start}-{b.stop - 1} (a block),"))
+    spine, _ = units(tree)
+    decided = decide(chain, schedule, tree, offloaded, policies)
 
     def forward(variables: Any, x: Any, rngs: Rngs = None) -> tuple[Any, Any]:
         shapes = chain.stage_shapes(variables)  # the loops depend on the variables' shapes
@@ -112,20 +84,7 @@ def execute(
             g = next(g for g in chain.stacked if g.layer == layer)
             _warn_copies(layer, offloads=offloads_in(offloaded, g.start, g.start + g.length))
         updates: dict[int, Any] = {}
-        walker = Walker(
-            chain,
-            rngs,
-            cut_variables(chain, variables, loops),
-            loops,
-            alike,
-            scan,
-            resolved,
-            offloaded,
-            reuses,
-            tie_policies,
-            sealed,
-            blocks,
-        )
+        walker = Walker(chain, rngs, cut_variables(chain, variables, loops), loops, alike, scan, decided)
         return walker.run(tree, L, x, updates), updates
 
     return forward
