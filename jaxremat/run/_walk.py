@@ -132,9 +132,9 @@ class Walker:
                 a,
                 local,
                 Env(owned, 0, owned_keys, at_input, alone=unit.stop - unit.start == 1),
-                first,
-                tapped,
-                marks,
+                first=first,
+                tapped=tapped,
+                marks=marks,
             )
             return out, local, marks[0] if marks else None
 
@@ -168,6 +168,7 @@ class Walker:
         a: Any,
         updates: dict,
         env: Env | None,
+        *,
         first: Any = None,
         tapped: tuple[int, Any] | None = None,
     ) -> Any:
@@ -202,6 +203,7 @@ class Walker:
         a: Any,
         updates: dict,
         env: Env | None = None,
+        *,
         first: Any = None,
         tapped: tuple[int, Any] | None = None,
         marks: list | None = None,
@@ -214,7 +216,7 @@ class Walker:
         if env is None:
             a = self.top(a, updates)
         else:
-            a = self.in_turn(spine, a, updates, env, first, tapped)
+            a = self.in_turn(spine, a, updates, env, first=first, tapped=tapped)
         if tapped is not None and leaf.stage == tapped[0]:
             a = tap(a, tapped[1])
         if marks is not None and spine:
