@@ -17,6 +17,7 @@ from jaxremat.model.trees import itemsize
 CONTRACTIONS = ("dot_general", "conv_general_dilated")
 MAX_STAGES = 48
 REMAT_PRIMITIVES = ("checkpoint", "remat2", "remat")  # jax.checkpoint's primitive, by jax version
+LOOP_PRIMITIVES = ("scan", "while")  # never cut: a loop over layers is one stage
 
 
 BY_CONTRACTIONS = "at contractions"
@@ -297,10 +298,19 @@ def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES) ->
             )
         what = f"module paths matching {stages!r}"
     if found is None or found.count < 2:
+        loops = sorted({e.primitive.name for e in eqns if e.primitive.name in LOOP_PRIMITIVES})
+        why = (
+            f" Its layers run inside a {' / '.join(loops)} (nn.scan, nnx.scan, lax.scan over stacked "
+            "weights), which jaxremat does not cut yet: a loop is one stage. Write the stack as a Python loop "
+            "over its layers, or as jaxremat.Repeat under remat_chain."
+            if loops
+            else ""
+        )
         raise ValueError(
             f"jaxremat.remat found fewer than two stages in this function ({len(eqns)} equations) by {what}; "
             "cut it with stages=<a module-scope depth, or a regex over module paths>, mark cut points with "
-            "jax.ad_checkpoint.checkpoint_name(x, name) and stages='names', or remat a function with more layers"
+            "jax.ad_checkpoint.checkpoint_name(x, name) and stages='names', or remat a function with more layers."
+            + why
         )
     return found
 

@@ -21,9 +21,9 @@ from jaxremat.profiling.stage import StageProfile, profile_stage, with_times
 from jaxremat.profiling.timing import TIMINGS, StageTimes
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-# 28: method="xla" prices FB and a policy's backward at least the backward plus the forward they
-# re-run, and a policy's at most FB (what each earlier version changed: git log -S PROFILE_VERSION)
-PROFILE_VERSION = 28
+# 29: a stage holding a loop keeps at least the residuals its loop stacks (what each earlier
+# version changed: git log -S PROFILE_VERSION)
+PROFILE_VERSION = 29
 
 
 @contextlib.contextmanager
