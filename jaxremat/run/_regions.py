@@ -65,83 +65,48 @@ def tied_checkpoint(
 ) -> Callable[..., tuple[Any, dict, jax.Array]]:
     """``body(variables, keys, a, token, tap) -> (out, updates, mark)`` keeping only its inputs
     for the backward pass, where it is recomputed once the output's cotangent has arrived.
-    ``offload=True`` keeps the saved input ``a`` in host memory until the backward pass needs it. ``inner``: the
-    keys of ``variables`` that regions inside ``body`` own (their gradients have passed those
-    regions' barriers already). ``direct_cotangent=False``: the backward reads the incoming
-    cotangent as the barrier returns it (the region holding the chain's last stage; see below).
-    ``stages``: how many stages the region holds; more than one, its recomputation waits for the
-    cotangent by data dependence (see the comment at ``tie``).
+    Called ``region(variables, keys, a, token)``, it returns ``(out, updates, token)``: the token
+    (a float32 scalar) is for the region that runs right after this one, whose backward runs
+    right before this one's.
 
-    ``jax.checkpoint``'s recomputation depends only on the saved input, so XLA may schedule it
-    as early as it likes (before later stages' backward has freed their memory); here the saved
-    inputs and the incoming cotangent pass one optimisation barrier together, so the
-    recomputation cannot start before the backward pass reaches this region.
+    Arguments: ``offload`` keeps the saved input in host memory until the backward needs it;
+    ``inner``, the keys of ``variables`` that regions inside ``body`` own (their gradients have
+    passed those regions' barriers already); ``stages``, how many stages the region holds.
 
-    The output passes an optimisation barrier too, so that it is materialised: otherwise XLA
-    fuses the region's element-wise tail (say a residual block's ``relu(x + h)``) into every
-    consumer and keeps the region's internals alive instead of its output, which the plan
-    recomputes (measured on a ResNet-style chain: 1.08x the planned memory).
+    How the incoming cotangent enters the backward:
 
-    The backward reads the incoming cotangent itself, not the barrier's copy of it: the barrier
-    only orders the recomputation after it. XLA writes an element-wise output over a dying
-    operand only when the user reads the instruction that made that operand (its heap
-    simulator's ``IsUserOf`` test), which a barrier's output never is. A residual block's
-    ``FB`` writes its relu derivative over the incoming cotangent (``FB``'s measured bytes take
-    credit for it); reading the barrier's copy, it needed one activation more, and the ResNet's
-    least-budget plan used 9.04 MiB where 8.02 were planned (8.04 now). The region holding the
-    chain's last stage keeps the barrier's copy: its cotangent is the loss gradient, and read
-    directly XLA kept 1.75 MiB more of the GPT's logit-sized buffers in its store-all plan.
+    * it passes one optimisation barrier with the saved inputs, so the recomputation cannot
+      start before the backward reaches this region (``jax.checkpoint``'s may run as early as XLA
+      likes); with ``stages > 1`` or no floating input (and ``direct_cotangent``, on one device) the
+      weight gradients also read one element
+      of it, so that XLA cannot run the recomputation in the forward pass
+      (``tests/test_fidelity.py::test_nested_regions_stay_within_their_plan``);
+    * ``direct_cotangent=True``: the backward reads the cotangent as it was made, not the
+      barrier's copy, so that ``FB`` may write over it as it dies; ``False`` for the region holding
+      the chain's last stage (its cotangent is the loss gradient)
+      (``tests/test_fidelity.py::test_a_backward_writes_over_its_incoming_cotangent``);
+    * ``waits=True``: the cotangent was handed over by the region after this one (below), and the
+      backward reads it plus zero times that region's token, after its weight gradients.
 
-    In the step users run, the parameters are donated and the optimizer writes each new kernel
-    over the old one, so every read of a kernel must come, by data dependence, before the
-    kernel's update; XLA copies a kernel (at the step's start, live until its update) wherever
-    one does not. Two reads in a region's backward may not:
+    The output passes a barrier too, so that it is materialised rather than fused into every
+    reader, which kept the region's internals alive instead.
 
-    * the recomputation's, where its result reaches no gradient of the kernel's stage. With a
-      region inside this one, the recomputation of the inner region's stages feeds only this
-      region's own stages' gradients (when the last stage's input gradient does not read its
-      input, as in a final linear layer, not even those), while the inner region recomputes them
-      again for its own. ``body`` returns a ``mark``, one element of its last stage's input
-      (:func:`mark_of`; ``None`` if it runs no unit before that stage, or holds no region), and
-      this backward's cotangent waits for it (:func:`after`): every gradient made here, the
-      inner regions' included, comes after the recomputation. Without it, on the conv
-      autoencoder (a region over every stage, one inside it over all but the last), XLA copied
-      every inner kernel; on its least-budget plan, 8.94 MiB of temp where 8.00 were planned.
-      Only where a region is inside: a region of stages stored whole (the sqrt schedule),
-      marked too, changed XLA's schedule both ways, the GPT's 28.1 MiB plan to 29.9 and the
-      autoencoder's 20.5 MiB one to 17.5 (predicted 28.1 and 22.0).
-    * the reads for the stages' input gradients, where the region starts at the chain's input
-      (``tapped=True``): that input's cotangent is dead, so XLA drops it from the final barrier
-      below, and the weight gradients leaving through it wait for none of those reads. ``body``
-      then gets a token (``tap``) to :func:`tap` into the input of its first own stage after the
-      chain's first, whose input gradient is the last of those reads (the first stage's is
-      dead), and the weight gradients wait for the token's cotangent instead. With the mark
-      alone, the autoencoder's least-budget plan still used 8.94 MiB; with both, 8.01 MiB
-      (measured on the CPU, 2026-12-04; its step time within this machine's noise, its flops
-      +0.04%).
+    How the weight gradients and the input's cotangent leave:
 
-    The region is called ``region(variables, keys, a, token)`` and returns ``(out, updates,
-    token)``; the token (a float32 scalar) is for the region that runs right after this one,
-    whose backward runs right before this one's. Its input's cotangent leaves that backward in
-    one of two ways:
+    * through one final barrier together (the default), so that the region before this one
+      cannot recompute while this backward still computes its weight gradients;
+    * ``ordered=True``: the input's cotangent leaves as it was made (this region's last stage
+      writes over it in ``FB``, ``ChainCosts.fb_reuse``), the token's cotangent through the
+      barrier instead, and the weight gradients wait for one element of it
+      (``tests/test_execute.py::test_a_region_handing_its_cotangent_over_reads_its_kernels_before_their_update``);
+    * every gradient waits for the recomputation before the last stage (``body``'s ``mark``, where
+      a region is inside), and, for a region at the chain's input (``tapped=True``), for the
+      token tapped into its first own stage's input, so that no read of a kernel can follow its
+      update and XLA copies no donated kernel
+      (``tests/test_fidelity.py::test_recomputation_reads_kernels_before_their_update``,
+      ``::test_a_tap_keeps_no_cotangent_alive``).
 
-    * through the final barrier, with its weight gradients (``ordered=False``, ``token`` is
-      ``None``): this region's recomputation, which waits for the cotangent, waits for them
-      too. But the cotangent is then a barrier's output, which this region's backward cannot
-      write over.
-    * as it was made (``ordered=True``: it was given this region's token), where this region's
-      last stage writes over it in its ``FB`` (``ChainCosts.fb_reuse``). The token's cotangent
-      leaves through the final barrier instead and enters this region's first barrier: the
-      recomputation still waits for the weight gradients. This region (``waits=True``) reads the
-      cotangent plus zero times that token (:func:`after`), so that no part of its backward runs
-      before them either. With every ResNet block a region of its own, XLA used 10.02 MiB where
-      9.02 were planned through the barrier, and 9.03 MiB so. ``body`` then gets a token too:
-      a region starting it hands the cotangent over the same way (the cotangent leaves through
-      it), and its token's cotangent joins this one's.
-
-    Where nothing is written over the cotangent the barrier stays: handing it over directly
-    changed no live bytes on a transformer or the GPT but XLA packed them worse (every
-    transformer block a region: 1.06x the plan, 0.99x through the barrier).
+    The measurements behind each rule: ``docs/notes/regions-measurements.md``.
     """
 
     @jax.custom_vjp
