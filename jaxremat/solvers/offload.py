@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -122,10 +123,18 @@ def _shift(v: np.ndarray, by: int) -> np.ndarray:
     return out
 
 
+class _Step(NamedTuple):
+    """One step of the DP from a stage (:func:`_steps`)."""
+
+    choice: tuple  # ("store", option, offloads its bundle) or ("ck", next stored stage, offloads it)
+    fwd_time: float  # the forward ops' time
+    need: int  # slots the forward needs
+    succ: tuple[int, int, int]  # the state it leads to: (stage, held input h', slots shifted)
+    back: tuple[float, int] | None  # B s: (time, slots it needs); None: the nested table's
+
+
 def _steps(p: _Problem, s: int, h: int):
-    """Every step from ``s`` with held input ``h``, as ``(choice, forward time, forward need
-    (slots), successor (stage, h', shift), backward (time over m_b, or a scalar))``; ``None``
-    forward need when the step breaks the class's offload rule."""
+    """Every :class:`_Step` from ``s`` with held input ``h``."""
     c, b = p.c, p.b
     held = p.held(s, h)
     tau = 0.0 if held is None else held.nbytes / p.bw.to_host
@@ -139,7 +148,7 @@ def _steps(p: _Problem, s: int, h: int):
         for o in (0, 1):  # an offloaded bundle comes back whole: no credit for its unread output
             back = int(c.x[s] + c.x[s + 1] + c.xbar[k, s] + (c.bwd_tmp if o else c.bwd_need)[k, s])
             succ = (s + 1, 2 + k, 0) if o else (s + 1, 0, int(c.xbar[k, s]))
-            yield ("store", k, o), float(b.fwd[s]), need, succ, (float(b.bwd[k, s]), back)
+            yield _Step(("store", k, o), float(b.fwd[s]), need, succ, (float(b.bwd[k, s]), back))
     start, need = 0.0, 0
     for j in range(s + 1, p.L + 1 if p.remat else s + 1):
         q = j - 1
@@ -150,7 +159,7 @@ def _steps(p: _Problem, s: int, h: int):
             continue
         for o in (0, 1):
             succ = (j, 1, 0) if o else (j, 0, int(c.x[j]))
-            yield ("ck", j, o), start, need, succ, None
+            yield _Step(("ck", j, o), start, need, succ, None)
 
 
 def fill(p: _Problem) -> list[np.ndarray]:
