@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxremat as jr
+from conftest import random_chain
 from jaxremat.solvers import OFFLOAD_ALGORITHMS
 from jaxremat.core.ops import Op
 from jaxremat.core.transfers import Bandwidth
@@ -160,7 +161,7 @@ def exhaustive(c: jr.ChainCosts, bw: Bandwidth) -> list[tuple[int, float, bool]]
     return out
 
 
-def random_chain(pick, min_len: int = 1) -> jr.ChainCosts:
+def small_chain(pick, min_len: int = 1) -> jr.ChainCosts:
     """A chain of 2..4 stages with small integer sizes and times; ``pick(lo, hi)`` draws an
     integer in ``[lo, hi]`` (hypothesis in the property tests, a seeded generator below)."""
     L = pick(min_len, 4)
@@ -188,7 +189,7 @@ def random_chain(pick, min_len: int = 1) -> jr.ChainCosts:
 
 @st.composite
 def small_chains(draw, min_len: int = 1):
-    return random_chain(lambda lo, hi: draw(st.integers(lo, hi)), min_len)
+    return small_chain(lambda lo, hi: draw(st.integers(lo, hi)), min_len)
 
 
 BANDWIDTHS = [4.0, 16.0, 64.0, (8.0, 32.0), (64.0, 2.0), (32.0, 1.0)]
@@ -228,7 +229,7 @@ def test_the_search_meets_offloading_wins():
     rng = np.random.default_rng(0)
     pick = lambda lo, hi: int(rng.integers(lo, hi + 1))  # noqa: E731
     wins = sum(
-        check_dp_against_exhaustive(random_chain(pick, 2), float(rng.uniform(0, 0.7)), BANDWIDTHS[pick(0, 5)])
+        check_dp_against_exhaustive(small_chain(pick, 2), float(rng.uniform(0, 0.7)), BANDWIDTHS[pick(0, 5)])
         for _ in range(60)
     )
     assert wins >= 5, wins
@@ -281,16 +282,7 @@ def test_pareto_and_errors():
 
 
 def test_solve_time_grows_gently():
-    rng = np.random.default_rng(0)
-    L = 24
-    c = jr.ChainCosts(
-        x=rng.integers(1, 100, L + 1),
-        xbar=rng.integers(1, 400, L),
-        fwd=rng.uniform(0.5, 3, L),
-        bwd=rng.uniform(1, 6, L),
-        fwd_tmp=rng.integers(0, 30, L),
-        bwd_tmp=rng.integers(0, 30, L),
-    )
+    c = random_chain(np.random.default_rng(0), 24)
     budget = jr.min_budget(c) + 200
     s = jr.solve(c, budget, algorithm="optimal_offload", bandwidth=20, slots=200)
     assert s.peak <= budget and s.time <= jr.solve(c, budget, slots=200).time
