@@ -104,6 +104,11 @@ def _sub_jaxprs(eqn: Any) -> list[Any]:
     return found
 
 
+def holds_loop(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` runs a loop (:data:`LOOP_PRIMITIVES`), at any depth."""
+    return any(e.primitive.name in LOOP_PRIMITIVES or any(holds_loop(j) for j in _sub_jaxprs(e)) for e in jaxpr.eqns)
+
+
 def _inner_path(eqn: Any) -> list[str]:
     """The module path the equations inside ``eqn`` share (a user's ``nn.remat`` block is one
     ``checkpoint`` equation at its parent's scope; inside, its own path): ``[]`` if none."""
@@ -298,12 +303,11 @@ def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES) ->
             )
         what = f"module paths matching {stages!r}"
     if found is None or found.count < 2:
-        loops = sorted({e.primitive.name for e in eqns if e.primitive.name in LOOP_PRIMITIVES})
         why = (
-            f" Its layers run inside a {' / '.join(loops)} (nn.scan, nnx.scan, lax.scan over stacked "
+            " Its layers run inside a loop (nn.scan, nnx.scan, lax.scan over stacked "
             "weights), which jaxremat does not cut yet: a loop is one stage. Write the stack as a Python loop "
             "over its layers, or as jaxremat.Repeat under remat_chain."
-            if loops
+            if holds_loop(jaxpr)
             else ""
         )
         raise ValueError(
@@ -315,4 +319,4 @@ def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES) ->
     return found
 
 
-__all__ = ["CONTRACTIONS", "Cuts", "MAX_STAGES", "REMAT_PRIMITIVES", "crossing_bytes", "find_cuts"]
+__all__ = ["CONTRACTIONS", "Cuts", "MAX_STAGES", "REMAT_PRIMITIVES", "crossing_bytes", "find_cuts", "holds_loop"]

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxremat.core.compile import compiler_options
+from jaxremat.model.cuts import holds_loop
 from jaxremat.model.stage import Stage
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
 from jaxremat.profiling.buffer_dump import HLO_TYPES
@@ -78,19 +79,6 @@ def hlo_shape(s: Any) -> str:
     if sharding is not None and hasattr(sharding, "shard_shape"):
         shape = tuple(sharding.shard_shape(shape))
     return f"{HLO_TYPES.get(str(s.dtype), (str(s.dtype), 0))[0]}[{','.join(map(str, shape))}]"
-
-
-def holds_loop(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` runs a ``scan`` or ``while`` loop, at any depth."""
-    for e in jaxpr.eqns:
-        if e.primitive.name in ("scan", "while"):
-            return True
-        for v in e.params.values():
-            for x in v if isinstance(v, (list, tuple)) else (v,):
-                inner = getattr(x, "jaxpr", x)
-                if hasattr(inner, "eqns") and holds_loop(inner):
-                    return True
-    return False
 
 
 def _stage_fn(st: Stage):
