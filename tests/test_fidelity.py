@@ -229,7 +229,8 @@ def test_a_backward_writes_over_its_incoming_cotangent(monkeypatch):
     monkeypatch.undo()
 
     region = walk.tied_checkpoint
-    monkeypatch.setattr(walk, "tied_checkpoint", lambda body, **kw: region(body, **{**kw, "direct_cotangent": False}))
+    barrier = lambda body, **kw: region(body, **{**kw, "enters": walk.Enters.BARRIER})  # noqa: E731
+    monkeypatch.setattr(walk, "tied_checkpoint", barrier)
     assert step_temp(chain, v, x, least) >= least.peak - x0 + 0.9 * 2**20
     monkeypatch.undo()
 

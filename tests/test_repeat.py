@@ -214,6 +214,8 @@ def test_remat_chain_trains_a_repeat_model_like_the_plain_one():
     assert jax.tree.structure(v) == jax.tree.structure(model.init(jax.random.key(0), x))
     p = wrapped.plan(v, x)
     assert p.schedule.note == "periodic" and p.predicted_peak <= p.schedule.budget
+    # the share is of the loop's store-all peak, and the report names it
+    assert p.schedule.asked.startswith("40% of the store-all peak with each Repeat run as one loop")
     loss = lambda apply, v: jnp.mean((apply(v, x) - 1.0) ** 2)  # noqa: E731
     g = jr.jit(jax.grad(lambda v: loss(wrapped.apply, v)))(v)
     ref = jax.jit(jax.grad(lambda v: loss(model.apply, v)))(v)

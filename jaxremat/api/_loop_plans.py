@@ -7,7 +7,7 @@ from typing import Any
 
 
 from jaxremat.api.calibrate import calibrated_pick, step_temp
-from jaxremat.core.budgets import Budget, parse_budget
+from jaxremat.core.budgets import Budget, describe_budget, parse_budget
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.loops import MAX_PERIOD, LoopGroup, copy_costs, loop_store_all_peak, stacked_gradients
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
@@ -35,6 +35,13 @@ def loop_budget_bytes(costs: ChainCosts, groups: list[LoopGroup], weights: list[
     included (:func:`~jaxremat.core.loops.loop_store_all_peak`), the memory plain autodiff of
     the model as written uses."""
     return parse_budget(budget, loop_store_all_peak(costs, groups, weights))
+
+
+def describe_loop_budget(chain: Chain, variables: Any, costs: ChainCosts, budget: Budget) -> str:
+    """What ``budget`` was asked as on a chain with Repeat layers (``Schedule.asked``): a share
+    names :func:`loop_budget_bytes`'s reference."""
+    peak = loop_store_all_peak(costs, loop_groups(chain), param_bytes(chain, variables))
+    return describe_budget(budget, peak, of="the store-all peak with each Repeat run as one loop")
 
 
 def with_stacked_gradients(
@@ -112,6 +119,7 @@ def least_loop_peak(costs: ChainCosts, groups: list[LoopGroup], weights: list[in
 
 __all__ = [
     "calibrated_loop_schedule",
+    "describe_loop_budget",
     "least_loop_peak",
     "loop_budget_bytes",
     "loop_schedule",

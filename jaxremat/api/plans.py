@@ -264,6 +264,7 @@ def make_plan(
             **options.profile_options,
         )
     o = options
+    asked = _loop_plans.describe_loop_budget(chain, variables, costs, budget) if chain.stacked else None
     if chain.stacked and canonical(o.algorithm) == "optimal":
         schedule = None
         if o.calibrate:
@@ -294,6 +295,8 @@ def make_plan(
                     slots=o.slots,
                 )
                 return Plan(schedule, signature(chain, variables, sample), found)
+    if asked is not None:  # a share of the loop store-all peak, not of the chain's
+        schedule = dataclasses.replace(schedule, asked=asked)
     return Plan(schedule, signature(chain, variables, sample))
 
 

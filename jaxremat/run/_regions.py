@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Callable, Collection
 
 import jax
@@ -52,61 +53,75 @@ def _tap_bwd(_: None, g: Any) -> tuple[Any, jax.Array]:
 tap.defvjp(_tap_fwd, _tap_bwd)
 
 
+class Enters(enum.Enum):
+    """How a region's backward reads the cotangent of its output."""
+
+    #: As it was made (not the barrier's copy), so that the region's last ``FB`` may write over
+    #: it as it dies (``tests/test_fidelity.py::test_a_backward_writes_over_its_incoming_cotangent``).
+    DIRECT = "direct"
+    #: As the barrier returns it: the region holding the chain's last stage, whose cotangent is
+    #: the loss gradient.
+    BARRIER = "barrier"
+    #: As it was made, plus zero times the token of the region after this one, which handed the
+    #: cotangent over directly (:attr:`Leaves.HANDED`): read after that region's weight gradients.
+    AFTER_NEXT = "after next"
+
+
+class Leaves(enum.Enum):
+    """How a region's weight gradients and its input's cotangent leave its backward."""
+
+    #: Through one final barrier together, so that the region before this one cannot recompute
+    #: while this backward still computes its weight gradients.
+    TOGETHER = "together"
+    #: The input's cotangent as it was made (the stage before writes over it in its ``FB``,
+    #: ``ChainCosts.fb_reuse``), the token's cotangent through the barrier instead, the weight
+    #: gradients after one element of the input's cotangent; the body's first region hands its
+    #: cotangent over the same way
+    #: (``tests/test_execute.py::test_a_region_handing_its_cotangent_over_reads_its_kernels_before_their_update``).
+    HANDED = "handed"
+    #: Together, the weight gradients after the token tapped into the input of the region's first
+    #: own stage (a region at the chain's input: its input's cotangent is dead), so that no read of
+    #: a kernel follows its update (``tests/test_fidelity.py::test_a_tap_keeps_no_cotangent_alive``).
+    TAPPED = "tapped"
+
+
 def tied_checkpoint(
     body: RegionBody,
     *,
+    enters: Enters = Enters.DIRECT,
+    leaves: Leaves = Leaves.TOGETHER,
     offload: bool = False,
     inner: Collection[Any] = (),
-    direct_cotangent: bool = True,
-    ordered: bool = False,
-    waits: bool = False,
-    tapped: bool = False,
     stages: int = 1,
 ) -> Callable[..., tuple[Any, dict, jax.Array]]:
     """``body(variables, keys, a, token, tap) -> (out, updates, mark)`` keeping only its inputs
     for the backward pass, where it is recomputed once the output's cotangent has arrived.
     Called ``region(variables, keys, a, token)``, it returns ``(out, updates, token)``: the token
     (a float32 scalar) is for the region that runs right after this one, whose backward runs
-    right before this one's.
+    right before this one's. ``body``'s ``token`` is the one its first region gets
+    (:attr:`Leaves.HANDED`), ``tap`` the one tapped into its first own stage's input
+    (:attr:`Leaves.TAPPED`), ``mark`` one element of its last stage's input where a region runs
+    before it.
 
-    Arguments: ``offload`` keeps the saved input in host memory until the backward needs it;
-    ``inner``, the keys of ``variables`` that regions inside ``body`` own (their gradients have
-    passed those regions' barriers already); ``stages``, how many stages the region holds.
+    Arguments: ``enters`` and ``leaves``, the enums' rules below; ``offload`` keeps the saved
+    input in host memory until the backward needs it; ``inner``, the keys of ``variables`` that
+    regions inside ``body`` own (their gradients have passed those regions' barriers already);
+    ``stages``, how many stages the region holds.
 
-    How the incoming cotangent enters the backward:
+    Rules, each pinned by a test (the measurements behind them: ``docs/notes/regions-measurements.md``):
 
-    * it passes one optimisation barrier with the saved inputs, so the recomputation cannot
-      start before the backward reaches this region (``jax.checkpoint``'s may run as early as XLA
-      likes); with ``stages > 1`` or no floating input (and ``direct_cotangent``, on one device) the
-      weight gradients also read one element
-      of it, so that XLA cannot run the recomputation in the forward pass
-      (``tests/test_fidelity.py::test_nested_regions_stay_within_their_plan``);
-    * ``direct_cotangent=True``: the backward reads the cotangent as it was made, not the
-      barrier's copy, so that ``FB`` may write over it as it dies; ``False`` for the region holding
-      the chain's last stage (its cotangent is the loss gradient)
-      (``tests/test_fidelity.py::test_a_backward_writes_over_its_incoming_cotangent``);
-    * ``waits=True``: the cotangent was handed over by the region after this one (below), and the
-      backward reads it plus zero times that region's token, after its weight gradients.
-
-    The output passes a barrier too, so that it is materialised rather than fused into every
-    reader, which kept the region's internals alive instead.
-
-    How the weight gradients and the input's cotangent leave:
-
-    * through one final barrier together (the default), so that the region before this one
-      cannot recompute while this backward still computes its weight gradients;
-    * ``ordered=True``: the input's cotangent leaves as it was made (this region's last stage
-      writes over it in ``FB``, ``ChainCosts.fb_reuse``), the token's cotangent through the
-      barrier instead, and the weight gradients wait for one element of it
-      (``tests/test_execute.py::test_a_region_handing_its_cotangent_over_reads_its_kernels_before_their_update``);
-    * every gradient waits for the recomputation before the last stage (``body``'s ``mark``, where
-      a region is inside), and, for a region at the chain's input (``tapped=True``), for the
-      token tapped into its first own stage's input, so that no read of a kernel can follow its
-      update and XLA copies no donated kernel
-      (``tests/test_fidelity.py::test_recomputation_reads_kernels_before_their_update``,
-      ``::test_a_tap_keeps_no_cotangent_alive``).
-
-    The measurements behind each rule: ``docs/notes/regions-measurements.md``.
+    * The incoming cotangent passes one optimisation barrier with the saved inputs, so the
+      recomputation cannot start before the backward reaches this region (``jax.checkpoint``'s
+      may run as early as XLA likes).
+    * With ``stages > 1`` or no floating input (and not :attr:`Enters.BARRIER`, on one device),
+      the weight gradients also read one element of the barrier's cotangent, so that XLA cannot
+      run the recomputation in the forward pass
+      (``tests/test_fidelity.py::test_nested_regions_stay_within_their_plan``).
+    * The output passes a barrier too, so that it is materialised rather than fused into every
+      reader, which kept the region's internals alive instead.
+    * Every gradient waits for the recomputation before the last stage (``body``'s ``mark``, where
+      a region is inside), so that no read of a kernel follows its update and XLA copies no
+      donated kernel (``tests/test_fidelity.py::test_recomputation_reads_kernels_before_their_update``).
     """
 
     @jax.custom_vjp
@@ -123,28 +138,11 @@ def tied_checkpoint(
     def bwd(res: tuple, g: tuple[Any, Any, jax.Array]) -> tuple:
         if offload:
             res = (*res[:2], to_device(res[2]))
-        # g[2]: the token's cotangent, from the next region once its weight gradients are made
-        # a region whose saved input is parameters alone (a jaxpr chain's first stage reads the
-        # function's inputs as parameters, its activation is empty), or that holds more than one
-        # stage, passes one element of the cotangent too (below: what keeps it in the barrier)
-        # (one device only: on an Explicit mesh, slicing the sharded cotangent to one element
-        # fails when the step is transformed; untied there, as before)
-        empty = not any(
-            jnp.issubdtype(jnp.result_type(x), jnp.inexact) and jnp.size(x) for x in jax.tree.leaves(res[2])
-        )
-        tie = direct_cotangent and (empty or stages > 1) and jax.device_count() == 1
-        arrived = element_now(g[0]) if tie else None
-        owned, keys, a, g_out, token, arrived = lax.optimization_barrier((*res, g[0], g[2], arrived))
-        if direct_cotangent:
-            # XLA drops a barrier's unused outputs with their operands, so the cotangent leaves
-            # this barrier here, and nothing but XLA's scheduler keeps the recomputation after it
-            # (measured: it does; reading a scalar of the barrier's copy, to keep it, changed no
-            # plan's memory and made the GPT's every-block plan 5-7% slower)
-            g_out = after(g[0], token) if waits else g[0]
-        # ordered, the body's first region (if it starts the body) hands its input's cotangent
-        # over directly too, with a token of its own, whose cotangent this one's waits for
-        inner_token = order_token() if ordered else None
-        tap_token = order_token() if tapped else None
+        owned, keys, a, g_out, arrived = _enter(res, g, enters, stages)
+        # Leaves.HANDED: the body's first region (if it starts the body) hands its input's
+        # cotangent over directly too, with a token of its own, whose cotangent this one's waits for
+        inner_token = order_token() if leaves is Leaves.HANDED else None
+        tap_token = order_token() if leaves is Leaves.TAPPED else None
         _, pull, mark = jax.vjp(
             lambda owned, a, t, s: _out_and_mark(body(owned, keys, a, t, s)),
             owned,
@@ -155,12 +153,7 @@ def tied_checkpoint(
         )
         if mark is not None:
             # every gradient of this backward waits for the recomputation before the last stage
-            # (the first of the two reads in the docstring)
             g_out = after(g_out, mark)
-        # the input's cotangent leaves with the parameters' through one barrier: the region
-        # before this one (whose recomputation waits for it) cannot start while this backward
-        # still computes its weight gradients (XLA otherwise overlaps the two, 1.11x the plan
-        # with every transformer block checkpointed)
         d_owned, d_a, d_inner, d_tap = pull(g_out)
         # the weight gradients of an inner region's stages passed its barrier already; held
         # through this one too, one in a layout other than its output's stays a temporary until
@@ -168,38 +161,64 @@ def tied_checkpoint(
         mine = {k: g for k, g in d_owned.items() if k not in inner}
         if arrived is not None:
             # its weight gradients read the barrier's element of the cotangent, so that the
-            # barrier, and the recomputation reading its outputs, wait for the cotangent. Without,
-            # XLA ran the recomputations of nested regions side by side: a 12-layer MLP written
-            # as a Python loop, recompute_all, 25 MiB where 4 were planned (4.0 with the tie);
-            # tying the saved inputs instead copied them (5.3). A region of several stages needs
-            # it too: the recomputation of the stages before its last reads no cotangent, and
-            # XLA ran it in the forward pass, right after the first forward of those stages, and
-            # held its results until the backward (a 12-layer loop MLP's 50% plan, stages 3-6 a
-            # region followed by stored stages: 29.25 MiB where 18.25 were planned; tied, 19.25).
-            # A region of one stage keeps the order without it: tied too, a 4-block
-            # transformer's 30% plan (two one-stage regions) packed an 8 MiB hole into XLA's heap
-            # at the same live bytes (1.09x the plan against 1.005x), and a conv autoencoder's
-            # least plan once went 1.00 -> 1.10x.
+            # barrier, and the recomputation reading its outputs, wait for the cotangent (why
+            # each kind of region needs it: docs/notes/regions-measurements.md)
             mine = after(mine, arrived)
-        if ordered:
-            # the cotangent leaves as it was made, so nothing orders the reads of this region's
-            # kernels for it before their update: the weight gradients wait for one element of
-            # it (element_now). Without, XLA copied the kernel of every such region's first
-            # stage (16 tanh(x @ w) stages at 30%: 1.34x the plan)
-            mark = element_now(d_a)
-            if mark is not None:
-                mine = after(mine, mark)
-            mine, d_token = lax.optimization_barrier((mine, d_inner))
-            return {**d_owned, **mine}, None, d_a, d_token
-        if tapped:
-            # (tying these gradients to the inner regions' instead: 1.21x the plan; the inner
-            # regions' to these, which follow the recomputation that reads their kernels, 1.24x)
-            mine = after(mine, d_tap)
-        mine, d_a = lax.optimization_barrier((mine, d_a))
-        return {**d_owned, **mine}, None, d_a, None
+        if leaves is Leaves.HANDED:
+            mine, d_a, d_token = _leave_handed(mine, d_a, d_inner)
+        elif leaves is Leaves.TAPPED:
+            mine, d_a, d_token = _leave_together(after(mine, d_tap), d_a)
+        else:
+            mine, d_a, d_token = _leave_together(mine, d_a)
+        return {**d_owned, **mine}, None, d_a, d_token
 
     region.defvjp(fwd, bwd)
     return region
+
+
+def _enter(res: tuple, g: tuple[Any, Any, jax.Array], enters: Enters, stages: int) -> tuple:
+    """``(owned, keys, a, g_out, arrived)``: the saved inputs and the incoming cotangent through
+    one barrier (``g[2]``: the token's cotangent, from the next region once its weight gradients
+    are made), the cotangent the backward reads as ``enters`` says, and ``arrived``, the element
+    of the barrier's cotangent the weight gradients wait for (or ``None``)."""
+    # a region whose saved input is parameters alone (a jaxpr chain's first stage reads the
+    # function's inputs as parameters, its activation is empty), or that holds more than one
+    # stage, passes one element of the cotangent too (one device only: on an Explicit mesh,
+    # slicing the sharded cotangent to one element fails when the step is transformed)
+    empty = not any(jnp.issubdtype(jnp.result_type(x), jnp.inexact) and jnp.size(x) for x in jax.tree.leaves(res[2]))
+    tie = enters is not Enters.BARRIER and (empty or stages > 1) and jax.device_count() == 1
+    arrived = element_now(g[0]) if tie else None
+    owned, keys, a, g_out, token, arrived = lax.optimization_barrier((*res, g[0], g[2], arrived))
+    # XLA drops a barrier's unused outputs with their operands, so the cotangent leaves this
+    # barrier here, and nothing but XLA's scheduler keeps the recomputation after it (measured:
+    # it does; reading a scalar of the barrier's copy changed no plan's memory and made the GPT's
+    # every-block plan 5-7% slower)
+    if enters is Enters.DIRECT:
+        g_out = g[0]
+    elif enters is Enters.AFTER_NEXT:
+        g_out = after(g[0], token)
+    return owned, keys, a, g_out, arrived
+
+
+def _leave_together(mine: dict, d_a: Any) -> tuple[dict, Any, None]:
+    """The weight gradients and the input's cotangent through one barrier: the region before
+    this one (whose recomputation waits for it) cannot start while this backward still computes
+    its weight gradients (XLA otherwise overlaps the two, 1.11x the plan with every transformer
+    block checkpointed)."""
+    mine, d_a = lax.optimization_barrier((mine, d_a))
+    return mine, d_a, None
+
+
+def _leave_handed(mine: dict, d_a: Any, d_inner: Any) -> tuple[dict, Any, Any]:
+    """The input's cotangent as it was made, so nothing orders the reads of this region's
+    kernels for it before their update: the weight gradients wait for one element of it
+    (without, XLA copied the kernel of every such region's first stage, 1.34x the plan), and
+    leave with the token's cotangent through the barrier."""
+    mark = element_now(d_a)
+    if mark is not None:
+        mine = after(mine, mark)
+    mine, d_token = lax.optimization_barrier((mine, d_inner))
+    return mine, d_a, d_token
 
 
 def _out_and_mark(result: tuple[Any, dict, Any]) -> tuple[Any, Any]:
@@ -227,4 +246,4 @@ def mark_of(a: Any) -> jax.Array | None:
     return leaves[0].reshape(-1)[0].astype(jnp.float32) if leaves else None
 
 
-__all__ = ["mark_of", "order_token", "tap", "tied_checkpoint"]
+__all__ = ["Enters", "Leaves", "mark_of", "order_token", "tap", "tied_checkpoint"]

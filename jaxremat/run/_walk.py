@@ -3,6 +3,7 @@ checkpoints, loops and stacked runs by their scans."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -18,11 +19,36 @@ from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs, stage_rngs
 from jaxremat.run._grad_tie import tied_gradients
 from jaxremat.run._offload import offloaded_stage
-from jaxremat.run._regions import mark_of, tap, tied_checkpoint
+from jaxremat.run._regions import Enters, Leaves, mark_of, tap, tied_checkpoint
 from jaxremat.run._scans import run_offload_loop, run_selective, scan_units
 from jaxremat.run._variables import Cut, Env, unstack
 from jaxremat.run.decisions import Decisions
 from jaxremat.run.loop_plan import Alike, LoopPlan, OffloadLoop, PatternLoop, SelectiveLoop, Stretch
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """What orders a region's body against its region's backward
+    (:func:`~jaxremat.run._regions.tied_checkpoint`): ``first``, the region's token for its body's
+    first region, where the region hands its input's cotangent over directly
+    (:attr:`~jaxremat.run._regions.Leaves.HANDED`); ``tapped``, a stage and the token tapped into
+    its input (:attr:`~jaxremat.run._regions.Leaves.TAPPED`); ``marks``, which gets one element of
+    the last stage's input where units run before it (the region's ``mark``)."""
+
+    first: Any = None
+    tapped: tuple[int, Any] | None = None
+    marks: list | None = None
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A region's part in a direct hand-over (:meth:`Walker.handovers`): ``token``, the one the
+    region before it returned, where this region hands its input's cotangent over directly;
+    ``waits``, whether the region after this one does (its cotangent then enters after that
+    region's token)."""
+
+    token: Any = None
+    waits: bool = False
 
 
 class Walker:
@@ -104,12 +130,10 @@ class Walker:
         return out
 
     def unit(
-        self, unit: Unit, a: Any, updates: dict, env: Env | None, token: Any = None, waits: bool = False
+        self, unit: Unit, a: Any, updates: dict, env: Env | None, handover: Handover = Handover()
     ) -> tuple[Any, Any]:
         """Run ``unit``; returns its output and, for a region, the order token of the region that
-        runs right after it (:func:`~jaxremat.run._regions.tied_checkpoint`). ``token``: the one
-        the region before returned, where this region hands its input's cotangent over directly
-        (:meth:`handovers`); ``waits``: the region after this one does."""
+        runs right after it (:func:`~jaxremat.run._regions.tied_checkpoint`)."""
         if isinstance(unit, StoreUnit):
             return self.stage(unit.stage, a, updates, env, unit.option, top=env is None), None
         # everything the region reads is an explicit input (no closure over traced values), so
@@ -122,32 +146,29 @@ class Walker:
         tap_at = last_read(unit.inner) if at_input else None
         inner = {j for u in units(unit.inner)[0] if isinstance(u, RegionUnit) for j in range(u.start, u.stop)}
 
-        def body(owned: dict, owned_keys: dict, a: Any, first: Any, token: Any) -> tuple[Any, dict, Any]:
+        def body(owned: dict, owned_keys: dict, a: Any, first: Any, tapped: Any) -> tuple[Any, dict, Any]:
             local: dict = {}
-            tapped = None if token is None else (tap_at, token)
-            marks: list | None = [] if inner else None  # the mark orders an inner region's kernel reads
-            out = self.run(
-                unit.inner,
-                unit.stop,
-                a,
-                local,
-                Env(owned, 0, owned_keys, at_input, alone=unit.stop - unit.start == 1),
-                first=first,
-                tapped=tapped,
-                marks=marks,
+            tokens = Tokens(
+                first,
+                None if tapped is None else (tap_at, tapped),
+                [] if inner else None,  # the mark orders an inner region's kernel reads
             )
-            return out, local, marks[0] if marks else None
+            env = Env(owned, 0, owned_keys, at_input, alone=unit.stop - unit.start == 1)
+            out = self.run(unit.inner, unit.stop, a, local, env, tokens)
+            return out, local, tokens.marks[0] if tokens.marks else None
 
         warn_unless_planned(stacklevel=7)
         offload = env is None and ("a", unit.start) in self.offloaded
+        # a region at the chain's input has no region before it to be handed a token by (nor has
+        # the first region inside it: its outer region is at the input too)
+        token = handover.token
+        assert token is None or tap_at is None, "a region at the chain's input was handed a cotangent"
         region = tied_checkpoint(
             body,
+            enters=Enters.BARRIER if unit.stop >= self.L else Enters.AFTER_NEXT if handover.waits else Enters.DIRECT,
+            leaves=Leaves.HANDED if token is not None else Leaves.TAPPED if tap_at is not None else Leaves.TOGETHER,
             offload=offload,
             inner=inner,
-            direct_cotangent=unit.stop < self.L,
-            ordered=token is not None,
-            waits=waits,
-            tapped=tap_at is not None,
             stages=unit.stop - unit.start,
         )
         a, local, token = region(owned, owned_keys, a, token)
@@ -168,18 +189,15 @@ class Walker:
         a: Any,
         updates: dict,
         env: Env | None,
-        *,
-        first: Any = None,
-        tapped: tuple[int, Any] | None = None,
+        tokens: Tokens = Tokens(),
     ) -> Any:
-        """The units of ``run`` one after another. ``first``: the token of a region whose body
-        ``run`` is, where that region hands its input's cotangent over directly: a region
-        starting the body does too (the cotangent leaves through it). ``tapped``: a stage and
-        the token tapped into its input (:func:`~jaxremat.run._regions.tap`)."""
+        """The units of ``run`` one after another, in a region's body as its ``tokens`` say: a
+        region starting the body hands its input's cotangent over directly where the body's
+        region does (the cotangent leaves through it)."""
         handed = self.handovers(run)
-        if first is not None and run and isinstance(run[0], RegionUnit):
+        if tokens.first is not None and run and isinstance(run[0], RegionUnit):
             handed[0] = True
-        token, until = first, 0
+        token, until, tapped = tokens.first, 0, tokens.tapped
         for j, unit in enumerate(run):
             if unit.start < until:  # inside a block that has run
                 continue
@@ -189,9 +207,8 @@ class Walker:
                 block, policy = self.decided.blocks[unit.start]
                 a, token, until = self.block(block, policy, a, updates), None, block.stop
                 continue
-            a, token = self.unit(
-                unit, a, updates, env, token if handed[j] else None, waits=j + 1 < len(run) and handed[j + 1]
-            )
+            handover = Handover(token if handed[j] else None, waits=j + 1 < len(run) and handed[j + 1])
+            a, token = self.unit(unit, a, updates, env, handover)
         return a
 
     # -- trees -------------------------------------------------------------------------------------
@@ -203,24 +220,20 @@ class Walker:
         a: Any,
         updates: dict,
         env: Env | None = None,
-        *,
-        first: Any = None,
-        tapped: tuple[int, Any] | None = None,
-        marks: list | None = None,
+        tokens: Tokens = Tokens(),
     ) -> Any:
         """Apply the stages of ``node`` below ``stop`` (the loss is not a stage). Loops only at
-        the top level (``env is None``); inside a region its variables are explicit inputs.
-        ``first`` and ``tapped``: as for :meth:`in_turn`; ``marks``: gets one element of the
-        last stage's input where units run before it (:func:`~jaxremat.run._regions.mark_of`)."""
+        the top level (``env is None``); inside a region its variables are explicit inputs and
+        ``tokens`` order it (:class:`Tokens`)."""
         spine, leaf = units(node)
         if env is None:
             a = self.top(a, updates)
         else:
-            a = self.in_turn(spine, a, updates, env, first=first, tapped=tapped)
-        if tapped is not None and leaf.stage == tapped[0]:
-            a = tap(a, tapped[1])
-        if marks is not None and spine:
-            marks.append(mark_of(a))
+            a = self.in_turn(spine, a, updates, env, tokens)
+        if tokens.tapped is not None and leaf.stage == tokens.tapped[0]:
+            a = tap(a, tokens.tapped[1])
+        if tokens.marks is not None and spine:
+            tokens.marks.append(mark_of(a))
         if leaf.stage < min(self.L, stop):  # FB or Fall; B: the stage's forward right before its backward
             a = self.stage(leaf.stage, a, updates, env, leaf.option)
         return a
