@@ -1,6 +1,7 @@
 """jaxremat against hand-written jax.checkpoint strategies on one GPU, at realistic sizes.
 
     python benchmarks/gpu_check.py            # GPT-style and ResNet-style models, under 8 minutes on one GPU
+                                              # (and the GPT's size as a decoder written with nn.scan)
     python benchmarks/gpu_check.py --tiny     # the same on small sizes (runs on a CPU, for testing)
 
 For each model: compile the training step (loss and gradients) under every manual strategy,
@@ -271,6 +272,46 @@ def stacked_offload(label: str, kwargs: dict, shape: tuple, dtype: str, calls: i
     return measure(label + " (blocks stacked: one jr.Repeat)", points, params, x, calls)
 
 
+def scanned(label: str, kwargs: dict, shape: tuple, dtype: str, calls: int, clock: Clock) -> list[list[str]]:
+    """The decoder written with ``nn.scan`` as MaxText writes it (``benchmarks/scan.py``): the
+    scanned layer under ``nn.remat`` with each of its users' policies, and ``jaxremat.remat`` of
+    the decoder without remat (planned per layer, run as loops) given each one's compiled memory."""
+    import scan as scan_bench  # noqa: PLC0415 - beside this script
+
+    if clock.late(f"{label} (nn.scan)"):
+        return []
+    dims = dict(layers=kwargs["blocks"], width=kwargs["width"], heads=kwargs["heads"], vocab=kwargs["vocab"])
+    tokens = sample_input(shape, dtype, high=kwargs["vocab"])
+    params = scan_bench.Decoder(**dims).init(jax.random.key(0), tokens)
+
+    def point(strategy: str, kind: str, loss, **extra) -> compare.Point:
+        p = compare.Point(strategy, kind, **extra)
+        p.compiled, p.compile_s = scan_bench.compile_update(loss, params, tokens)
+        p.temp = int(p.compiled.memory_analysis().temp_size_in_bytes)
+        cost = p.compiled.cost_analysis()
+        p.flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost).get("flops", 0.0))
+        clock.log(f"compiled {strategy} ({p.compile_s:.0f} s)")
+        return p
+
+    points = [point("no remat", "manual", scan_bench.loss_of(**dims))]
+    on_gpu = jax.devices()[0].platform != "cpu"
+    base = jr.remat(scan_bench.loss_of(**dims), None, method="measure" if on_gpu else "xla", quiet=True)
+    for name, policy in scan_bench.POLICIES.items():
+        if clock.late(f"{label} (nn.scan): {name}"):
+            continue
+        hand = point(f"nn.remat {name}", "manual", scan_bench.loss_of(**dims, policy=policy))
+        points.append(hand)
+        try:
+            f = base.with_budget(hand.temp)
+            plan = f.plan(params, tokens)
+        except jr.InfeasibleBudget as e:
+            clock.log(f"jaxremat at '{name}': refused, least {jr.format_bytes(e.min_budget)}")
+            continue
+        predicted = plan.predicted_peak - int(plan.costs.x[0])
+        points.append(point(f"jaxremat at '{name}'", "matched", f, predicted_peak=predicted))
+    return measure(label + " (nn.scan, as MaxText writes it)", points, params, tokens, calls)
+
+
 def render(rows: list[list[str]], card: str, clock: Clock, tiny: bool) -> str:
     """The results file: the table, the command and what the deadline left out."""
     head = [
@@ -335,19 +376,20 @@ def main(argv: list[str] | None = None) -> str:
     models = [(label, m) for label, m in (TINY if args.tiny else SIZES).items() if not args.only or args.only in label]
     # every model's check first, the stacked GPT's offload loops last: what the deadline cuts first
     runs = [(label, check, m) for label, m in models]
+    runs += [(label, scanned, m) for label, m in models if m[0] is gpt]
     runs += [(label, stacked_offload, m) for label, m in models if m[0] is gpt]
     for label, run, (factory, kwargs, shape, dtype) in runs:
-        print(f"{label}{' (stacked)' if run is stacked_offload else ''} ...", flush=True)
+        print(f"{label}{'' if run is check else f' ({run.__name__})'} ...", flush=True)
         try:
             if run is check:
                 rows += check(label, factory, kwargs, shape, dtype, args.calls, clock)
             else:
-                rows += stacked_offload(label, kwargs, shape, dtype, args.calls, clock)
+                rows += run(label, kwargs, shape, dtype, args.calls, clock)
         except Exception as e:  # noqa: BLE001 - a lent GPU's minutes are few: the next model still runs
             if args.tiny:
                 raise
             traceback.print_exc()
-            clock.failed.append(f"{label}{' (stacked)' if run is stacked_offload else ''}: {type(e).__name__}: {e}")
+            clock.failed.append(f"{label}{'' if run is check else f' ({run.__name__})'}: {type(e).__name__}: {e}")
         text = render(rows, card, clock, args.tiny)
         if not args.no_write and not args.tiny:
             args.out.write_text(text)  # after each model: a run stopped from outside keeps what it measured

@@ -6,7 +6,7 @@ import functools
 from typing import Any
 
 
-from jaxremat.api.calibrate import calibrated_pick, step_temp
+from jaxremat.api.calibrate import LOOP_OPTIMISM, calibrated_pick, step_temp
 from jaxremat.core.budgets import Budget, describe_budget, parse_budget
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.loops import MAX_PERIOD, LoopGroup, copy_costs, loop_store_all_peak, stacked_gradients
@@ -74,8 +74,8 @@ def loop_schedule(
             "optimal",
             target,
             min(least_loop, e.min_budget),
-            note=f"a Repeat layer runs as one loop from {format_bytes(least_loop)}; below that its stacked "
-            "parameters would be sliced, which copies them",
+            note=f"a Repeat layer or scanned layer stack runs as one loop from {format_bytes(least_loop)}; below "
+            "that its stacked parameters would be sliced, which copies them",
         ) from None
     ids = [stage_identity(st, v) for st, v in zip(chain.stages, chain.stage_shapes(variables))]
     return regularise(best, list(zip(ids, stage_classes(best))))
@@ -94,9 +94,14 @@ def calibrated_loop_schedule(
         candidates,
         loop_budget_bytes(costs, groups, weights, budget),
         measure,
-        optimistic=lambda s: int(0.85 * simulate(costs, s.ops)[0]),
+        optimistic=lambda s: int(LOOP_OPTIMISM * simulate(costs, s.ops)[0]),
     )
     return None if found is None else found.schedule
+
+
+def loop_candidates(chain: Chain, variables: Any, costs: ChainCosts, max_period: int) -> list[Schedule]:
+    """The schedules that run each Repeat layer (or layer stack) as one loop, fastest first."""
+    return loop_schedules(costs, loop_groups(chain), param_bytes(chain, variables), max_period)
 
 
 def loop_schedules(
@@ -119,6 +124,7 @@ def least_loop_peak(costs: ChainCosts, groups: list[LoopGroup], weights: list[in
 
 __all__ = [
     "calibrated_loop_schedule",
+    "loop_candidates",
     "describe_loop_budget",
     "least_loop_peak",
     "loop_budget_bytes",

@@ -226,6 +226,11 @@ def _next_budget(
     return None
 
 
+#: How far below its prediction a loop schedule was seen to measure: candidates predicted above
+#: the budget by more are not compiled (:func:`calibrated_pick`'s ``optimistic``).
+LOOP_OPTIMISM = 0.85
+
+
 def calibrated_pick(
     candidates: Sequence[Schedule],
     budget: int,

@@ -20,12 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxremat.api import _loop_plans
 from jaxremat.api.calibrate import measured_loss, measured_optimizer
 from jaxremat.api.planner import UNSET, plan_options, warn_if_global
 from jaxremat.api.plans import Plan, PlanOptions, SetupTime, make_plan, option_names
 from jaxremat.api.user_blocks import user_blocks
 from jaxremat.api.verify import Measured, verify
-from jaxremat.core.budgets import Budget, check_budget, parse_budget
+from jaxremat.model.layer_stacks import describe as describe_stacks
+from jaxremat.core.budgets import Budget, check_budget
 from jaxremat.core.compile import as_planned, compiler_options
 from jaxremat.core.costs import ChainCosts, Shared
 from jaxremat.core.schedule import Schedule
@@ -206,7 +208,10 @@ class RematFunction:
                 "jaxremat.remat: the function has no input that can carry a gradient (no float arrays); "
                 "remat plans what a gradient keeps, so give it the parameters or data to differentiate"
             )
-        traced = JaxprChain.of(closed, self.stages, self.max_stages)
+        # the first argument's traced leaves: what the training step (and the verification)
+        # differentiates; the profile leaves the other inputs' gradients out, as the step does
+        first = sum(1 for n in dynamic if n < len(jax.tree.leaves(args[0]))) if args else 0
+        traced = JaxprChain.of(closed, self.stages, self.max_stages, differentiated=first)
         variables = traced.variable_shapes(flat)
         t1 = time.perf_counter()
         costs = self._costs.get(key)
@@ -226,15 +231,15 @@ class RematFunction:
             self._costs[key] = costs
         t2 = time.perf_counter()
         plan = make_plan(traced.chain, variables, (), self.budget, self.options, costs, verified=False)
-        # the first argument's traced leaves: what the verification step differentiates
-        first = sum(1 for n in dynamic if n < len(jax.tree.leaves(args[0]))) if args else 0
         t3 = time.perf_counter()
-        plan = self._verified(plan, traced, flat, first, self._measured.setdefault(key, {}))
+        plan = self._verified(plan, traced, variables, flat, first, self._measured.setdefault(key, {}))
         setup = SetupTime(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         note = (
-            f"{traced.cuts.count} stages cut by {traced.cuts.how}; held for the whole step: "
+            f"{len(traced.chain)} stages cut by {traced.cuts.how}; held for the whole step: "
             f"{format_bytes(traced.context_bytes)} of values without a gradient (masks, positions)"
         )
+        if traced.stacks:
+            note += "; " + describe_stacks(traced.stacks)
         if static:
             note += f"; {len(static)} static input leaves (not arrays) passed through as they are"
         if traced.user_remat:
@@ -251,7 +256,7 @@ class RematFunction:
         self._prepared[key] = found
         return found
 
-    def _verified(self, plan: Plan, traced: JaxprChain, flat: list, first: int, earlier: dict) -> Plan:
+    def _verified(self, plan: Plan, traced: JaxprChain, variables: list, flat: list, first: int, earlier: dict) -> Plan:
         """``plan`` checked by XLA (:func:`~jaxremat.api.verify.verify`), corrected if over;
         ``earlier``: the schedules compiled for this signature at other budgets."""
         o = self.options
@@ -262,7 +267,11 @@ class RematFunction:
             # compile that is the step's per-device program
             return plan
         costs = plan.costs
-        target = None if self.budget is None else parse_budget(self.budget, costs)
+        target = None if self.budget is None else plan.schedule.budget
+        chain = traced.chain
+        # a chain with layer stacks: corrections among the schedules that run each as a loop, no
+        # hand strategy (the per-layer ones are among them; compiled flops count a loop's body once)
+        loops = _loop_plans.loop_candidates(chain, variables, costs, o.max_period) if chain.stacked else None
         sched, found = verify(
             costs,
             target,
@@ -270,8 +279,10 @@ class RematFunction:
             step_measure(traced, flat, first, o.named_policies),
             algorithm=o.algorithm,
             slots=o.slots,
-            blocks=user_blocks(traced.chain, traced.cuts, costs),
+            compare_hand=loops is None,
+            blocks=user_blocks(chain, traced.cuts, costs),
             earlier=earlier,
+            candidates=loops,
         )
         return Plan(sched, plan.signature, found)
 

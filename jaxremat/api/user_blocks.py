@@ -65,7 +65,10 @@ def user_blocks(chain: Chain, cuts: Cuts, costs: ChainCosts) -> list[Span]:
     """The user's blocks of ``chain``, cut from a function by ``cuts``: by module scope where the
     cuts follow Flax scopes, by the period of the stages' identities where they are cut before
     each contraction (:attr:`~jaxremat.model.chain.Chain.period`); none otherwise, or where every
-    block would be one stage (every stage under a policy is among the hand strategies already)."""
+    block would be one stage (every stage under a policy is among the hand strategies already),
+    or where the chain holds a layer stack (its hand strategies are per layer, among its loops)."""
+    if chain.stacked:
+        return []
     if cuts.scope_depth is not None:
         spans = by_scope([s.name for s in chain.stages], cuts.scope_depth)
     elif cuts.at_contractions and chain.period < len(chain):

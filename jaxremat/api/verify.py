@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, MutableMapping, Sequence
 
-from jaxremat.api.calibrate import calibrated_solve
+from jaxremat.api.calibrate import LOOP_OPTIMISM, calibrated_pick, calibrated_solve
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.ops import Op, OpKind
 from jaxremat.core.schedule import Block, InfeasibleBudget, Schedule
@@ -157,6 +157,7 @@ def verify(
     compare_hand: bool = True,
     blocks: Sequence[tuple[int, int]] = (),
     earlier: MutableMapping[tuple, tuple[Schedule, Measured]] | None = None,
+    candidates: Sequence[Schedule] | None = None,
 ) -> tuple[Schedule, Verification]:
     """``schedule`` checked by XLA against ``target`` bytes (its measured temp, ``a_0``
     included as the plan counts it), corrected while over, then compared with the hand
@@ -170,6 +171,9 @@ def verify(
     them that fits, with the fewest flops, is taken where nothing tried here fits; without it, a
     linen CNN was refused at 7.05 MiB, naming 10.51, after a schedule of 7.04 had been measured
     at a lower budget).
+    ``candidates`` (fastest first): the schedules a correction takes from, instead of solving
+    again (a chain with layer stacks: those that run each stack as one loop, so that no layer's
+    parameters are sliced).
     Raises :class:`~jaxremat.InfeasibleBudget` when no schedule tried measures within ``target``.
     """
     start = time.perf_counter()
@@ -194,9 +198,20 @@ def verify(
     if not fits:
         # calibrated_solve adds a_0 to what measure gives it; our peak holds it already
         try:
-            cal = calibrated_solve(
-                costs, target, lambda s: measured(s).peak - x0, algorithm=algorithm, slots=slots, tries=tries + 1
-            )
+            if candidates is not None:
+                cal = calibrated_pick(
+                    candidates,
+                    target,
+                    lambda s: measured(s).peak - x0,
+                    optimistic=lambda s: int(LOOP_OPTIMISM * s.peak),
+                    tries=tries + 1,
+                )
+                if cal is None:
+                    raise InfeasibleBudget(algorithm, target, 0)
+            else:
+                cal = calibrated_solve(
+                    costs, target, lambda s: measured(s).peak - x0, algorithm=algorithm, slots=slots, tries=tries + 1
+                )
             schedule, chosen, fits = cal.schedule, "corrected plan", True
             got = measured(schedule)
         except InfeasibleBudget:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -197,16 +199,48 @@ class Schedule:
             "dropped": "input not kept (Fn)",
             "none": "never run",
         }
-        width = max(len(c.stage_name(i)) for i in range(c.length))
+        rows = []
         for d in self.decisions():
             first = f"stored under {d.policy} (Fall)" if d.policy else legend[d.first_pass]
             rec = f", recomputed {d.recomputed}x" if d.recomputed else ""
             rec += " (the last time fused with its backward, FB)" if d.fused else ""
             rec += ", kept in host memory (offloaded, prefetched for the backward)" if d.offloaded else ""
-            lines.append(f"  {c.stage_name(d.stage):<{width}}  {first}{rec}")
+            rows.append((c.stage_name(d.stage), first + rec))
+        rows = _grouped(rows)
+        width = max(len(name) for name, _ in rows)
+        lines += [f"  {name:<{width}}  {what}" for name, what in rows]
         for b in self.blocks:
             lines.append(f"  stages {b.start}-{b.stop - 1}: one jax.checkpoint under {b.policy} (a block)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.summary()
+
+
+_LAYER = re.compile(r"^(\d+):(.*)\[(\d+)\]$")
+
+
+def _grouped(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Runs of a layer stack's stages (``3:Decoder/layers[2]``) with the same decision as one row
+    (``3-9:Decoder/layers[2..8]``), so that a 48-layer stack does not take 48 lines."""
+    out: list[tuple[str, str]] = []
+    run: list[tuple[re.Match, str]] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append((run[0][0].string, run[0][1]))
+        elif run:
+            (a, what), (b, _) = run[0], run[-1]
+            out.append((f"{a.group(1)}-{b.group(1)}:{a.group(2)}[{a.group(3)}..{b.group(3)}]", what))
+        run.clear()
+
+    for name, what in rows:
+        m = _LAYER.match(name)
+        if m is None or (run and (run[-1][0].group(2), run[-1][1]) != (m.group(2), what)):
+            flush()
+        if m is None:
+            out.append((name, what))
+        else:
+            run.append((m, what))
+    flush()
+    return out

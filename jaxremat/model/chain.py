@@ -19,13 +19,15 @@ from jaxremat.model.trees import abstract, check_leaves, describe, is_sharded, w
 
 @dataclass(frozen=True)
 class Stacked:
-    """Stages ``start .. start+length-1`` are the copies of a :class:`~jaxremat.Repeat` (model
-    layer ``layer``), their variables stacked under ``{collection: {"body": ...}}``."""
+    """Stages ``start .. start+length-1`` are the copies of a :class:`~jaxremat.Repeat` or the
+    layers of a scanned stack (model layer ``layer``), their variables stacked under
+    ``{collection: {"body": ...}}``; ``init`` makes them (``None`` for a stack traced from a
+    function, whose variables are the function's)."""
 
     layer: int
     start: int
     length: int
-    init: Callable[[jax.Array, Any], Variables] = field(repr=False, compare=False)
+    init: Callable[[jax.Array, Any], Variables] | None = field(repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ class Chain:
                 out.append(v)
             else:
                 out += [
-                    {col: jax.tree.map(lambda t, j=j: t[j], tree[BODY]) for col, tree in v.items()}
+                    {col: jax.tree.map(lambda t, j=j: _layer_of(t, j), tree[BODY]) for col, tree in v.items()}
                     for j in range(g.length)
                 ]
         return out
@@ -258,6 +260,13 @@ class Chain:
             compiled = jax.jit(lambda v, a, st=st: st.apply(v, a, any_rngs(st))[0]).lower(v, out[-1]).compile()
             out.append(with_shardings(nxt, compiled.output_shardings))
         return out
+
+
+def _layer_of(t: Any, j: int) -> Any:
+    """Layer ``j`` of a stacked leaf (of its shape, for a ``jax.ShapeDtypeStruct``)."""
+    if isinstance(t, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(t.shape[1:], t.dtype)
+    return t[j]
 
 
 __all__ = ["Chain", "Stacked"]

@@ -261,8 +261,30 @@ def with_loss_stage(jaxpr: Any, cuts: Cuts, max_stages: int) -> Cuts:
     return Cuts(cuts.bounds[:-1] + (at, len(eqns)), f"{cuts.how}; the loss a stage of its own", cuts.names + ("loss",))
 
 
-def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES) -> Cuts:
-    """The stages of ``jaxpr``'s equations.
+def isolate(cuts: Cuts, stacks: Sequence[int], n_eqns: int) -> Cuts:
+    """``cuts`` with each layer stack (by equation index, :mod:`~jaxremat.model.layer_stacks`) a
+    stage of its own, with a stage before it and one after it (empty where the stack is the
+    function's first or last equation): the stage before hands the stack its first carry as an
+    activation, the one after reads its last."""
+    bounds = sorted({*cuts.bounds, *stacks, *(q + 1 for q in stacks)})
+    names = [_name_at(cuts, b) for b in bounds[:-1]]
+    if stacks and min(stacks) == 0:  # an empty stage before: it reads the carry from the inputs
+        bounds, names = [0, *bounds], ["input", *names]
+    if stacks and max(stacks) == n_eqns - 1:  # an empty stage after: it returns the outputs
+        bounds, names = [*bounds, n_eqns], [*names, "output"]
+    how = cuts.how if not stacks else f"{cuts.how}; each layer stack (a scan over layers) a stage per layer"
+    return Cuts(tuple(bounds), how, tuple(names))
+
+
+def _name_at(cuts: Cuts, b: int) -> str:
+    """The name of the stage of ``cuts`` holding equation ``b``."""
+    k = max(k for k in range(cuts.count) if cuts.bounds[k] <= b)
+    return cuts.names[k]
+
+
+def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES, stacks: Sequence[int] = ()) -> Cuts:
+    """The stages of ``jaxpr``'s equations; each of ``stacks`` (equation indices of layer stacks,
+    :mod:`~jaxremat.model.layer_stacks`) a stage of its own between two others.
 
     ``stages``: ``"auto"`` (the Flax module-scope depth with the most stages up to
     ``max_stages``; else ``checkpoint_name`` markers; else one cut per contraction; with
@@ -302,19 +324,21 @@ def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES) ->
                 f"{paths or ['(none: the function has no Flax module scopes)']}"
             )
         what = f"module paths matching {stages!r}"
+    if stacks:
+        one = Cuts((0, len(eqns)), "one stage", ("",))
+        found = isolate(found if found is not None else one, sorted(stacks), len(eqns))
     if found is None or found.count < 2:
         why = (
-            " Its layers run inside a loop (nn.scan, nnx.scan, lax.scan over stacked "
-            "weights), which jaxremat does not cut yet: a loop is one stage. Write the stack as a Python loop "
-            "over its layers, or as jaxremat.Repeat under remat_chain."
+            " It runs a loop that is not a stack of layers (a while_loop or fori_loop, or a scan whose per-step "
+            "outputs are read or that reads values other than its per-layer slices): such a loop is one stage. "
+            "A scan over stacked layers (nn.scan, nnx.scan, lax.scan) is cut per layer."
             if holds_loop(jaxpr)
             else ""
         )
         raise ValueError(
             f"jaxremat.remat found fewer than two stages in this function ({len(eqns)} equations) by {what}; "
             "cut it with stages=<a module-scope depth, or a regex over module paths>, mark cut points with "
-            "jax.ad_checkpoint.checkpoint_name(x, name) and stages='names', or remat a function with more layers."
-            + why
+            "jax.ad_checkpoint.checkpoint_name(x, name) and stages='names', or remat a function with more layers." + why
         )
     return found
 

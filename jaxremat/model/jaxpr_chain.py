@@ -26,8 +26,10 @@ What a stage reads:
   are live (:meth:`JaxprChain.shared_values`, ``ChainCosts.shared``).
 
 An equation with sub-jaxprs (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``, ``cond``,
-``scan``, ``while``) is never cut: a ``scan`` over layers (``nn.scan``) is one stage, and a
-user's ``jax.checkpoint`` / ``nn.remat`` block is a stage of its own, kept as written.
+``scan``, ``while``) is never cut: a user's ``jax.checkpoint`` / ``nn.remat`` block is a stage
+of its own, kept as written, and a loop is one stage, except a layer stack (a ``scan`` over
+stacked layers: ``nn.scan``, ``nnx.scan``, ``lax.scan``; :mod:`~jaxremat.model.layer_stacks`),
+which is a stage per layer, stacked as a :class:`~jaxremat.Repeat`'s copies.
 """
 
 from __future__ import annotations
@@ -35,14 +37,12 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jcore
 
-from jaxremat.model.chain import Chain
+from jaxremat.model.chain import Chain, Stacked
 from jaxremat.model.cuts import (  # noqa: F401 - find_cuts, crossing_bytes: part of this module's API
     MAX_STAGES,
     REMAT_PRIMITIVES,
@@ -54,36 +54,12 @@ from jaxremat.model.cuts import (  # noqa: F401 - find_cuts, crossing_bytes: par
     find_cuts,
 )
 from jaxremat.model.identity import function_key
+from jaxremat.model.jaxpr_eval import evaluate, read, trace
+from jaxremat.model.layer_stacks import LayerStack, find_stacks, no_gradient
+from jaxremat.model.repeat import BODY
 from jaxremat.model.stage import Stage
 
 # -- the chain -----------------------------------------------------------------------------------
-
-
-def _evaluate(eqns: Sequence[Any], env: dict, inline: bool = False) -> None:
-    """Evaluate ``eqns`` in order, reading and writing ``env`` (Var -> value). ``inline``: the
-    function's own ``jax.checkpoint`` blocks run as their bodies (see :class:`JaxprChain`)."""
-    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
-    for e in eqns:
-        body = e.params.get("jaxpr") if inline and e.primitive.name in REMAT_PRIMITIVES else None
-        if body is not None and not body.constvars:
-            inner = dict(zip(body.invars, [read(v) for v in e.invars]))
-            _evaluate(body.eqns, inner, inline)
-            for v, w in zip(e.outvars, body.outvars):
-                if _is_var(v):
-                    env[v] = w.val if isinstance(w, jcore.Literal) else inner[w]
-            continue
-        bound = e.primitive.get_bind_params(e.params)  # jax >= 0.7: the params; before: (subfuns, params)
-        subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-        ctx = getattr(getattr(e, "ctx", None), "manager", None)
-        if ctx is None:
-            out = e.primitive.bind(*subfuns, *[read(v) for v in e.invars], **params)
-        else:
-            with ctx:
-                out = e.primitive.bind(*subfuns, *[read(v) for v in e.invars], **params)
-        outs = out if e.primitive.multiple_results else [out]
-        for v, x in zip(e.outvars, outs):
-            if _is_var(v):
-                env[v] = x
 
 
 @dataclass(frozen=True)
@@ -141,11 +117,22 @@ def stage_digest(p: StagePlan, invars: Sequence[Any]) -> str:
 class JaxprChain:
     """A traced function cut into a :class:`~jaxremat.Chain` of stages."""
 
-    def __init__(self, closed: Any, cuts: Cuts, constants: Sequence[Any] = ()):
+    def __init__(
+        self,
+        closed: Any,
+        cuts: Cuts,
+        constants: Sequence[Any] = (),
+        stacks: Mapping[int, LayerStack] | None = None,
+        differentiated: int | None = None,
+    ):
         """``closed`` cut by ``cuts`` (bounds into its equations); ``constants``: equations of
         literals alone taken out of it (:func:`split_constants`), recomputed by each stage that
-        reads them."""
+        reads them; ``stacks``: layer stacks by equation index, each a stage of ``cuts``
+        (:func:`~jaxremat.model.cuts.isolate`), which become a stage per layer; ``differentiated``:
+        how many of the function's leading flat inputs the training step differentiates (the
+        first argument's), the others profiled without their gradient (``None``: all)."""
         self.closed, self.cuts, self.constants = closed, cuts, tuple(constants)
+        self.differentiated = differentiated
         jaxpr = closed.jaxpr
         eqns = jaxpr.eqns
         free = {v for e in self.constants for v in e.outvars if _is_var(v)}
@@ -159,12 +146,7 @@ class JaxprChain:
                 for v in e.outvars:
                     if _is_var(v):
                         stage_of[v] = k
-        # no gradient: non-inexact inputs, constants, and what is computed from those alone
-        nograd = {v for v in self.invars if not _inexact(v)} | set(jaxpr.constvars) | free
-        for e in eqns:
-            if all(not _is_var(v) or v in nograd for v in e.invars):
-                nograd.update(v for v in e.outvars if _is_var(v))
-        self.nograd = nograd
+        nograd = self.nograd = no_gradient(jaxpr, free)
         used_by: dict[Any, set[int]] = {}
         for k in range(cuts.count):
             for e in eqns[cuts.bounds[k] : cuts.bounds[k + 1]]:
@@ -176,16 +158,38 @@ class JaxprChain:
         for v in outs:
             used_by.setdefault(v, set()).add(L - 1)
         made = [v for e in eqns for v in e.outvars if _is_var(v)]
+        stacks = stacks or {}
+        self.stack_at = {
+            k: stacks[cuts.bounds[k]]
+            for k in range(L)
+            if cuts.bounds[k] in stacks and cuts.bounds[k + 1] == cuts.bounds[k] + 1
+        }
+        # a layer stack's activation: its carry, then the values that pass it (made before it,
+        # read after it); into its first layer and out of its last in the same layout
+        layout_in, layout_out = {}, {}
+        for k, st in self.stack_at.items():
+            passing = tuple(v for v in made if stage_of[v] < k and v not in nograd and max(used_by.get(v, {-1})) > k)
+            layout_in[k], layout_out[k] = (*st.carry_in, *passing), (*st.carry_out, *passing)
         plans = []
         self.context_vars: list = []
         for k in range(L):
             sl = tuple(eqns[cuts.bounds[k] : cuts.bounds[k + 1]])
             reads = {v for e in sl for v in e.invars if _is_var(v)} | (set(outs) if k == L - 1 else set())
-            sl = _needed(self.constants, reads) + sl
+            if k in self.stack_at:  # its carry comes as the activation
+                reads = {v for v in self.stack_at[k].xs if _is_var(v)}
+            if k + 1 in self.stack_at:  # hands the stack its first carry
+                reads |= {v for v in layout_in[k + 1] if _is_var(v)}
+            sl = _needed(self.constants, reads) + sl if k not in self.stack_at else sl
             params = tuple(sorted(pos[v] for v in reads if v in pos and _inexact(v)))
             inputs = tuple(sorted(pos[v] for v in reads if v in pos and not _inexact(v)))
-            context = tuple(v for v in made if v in reads and stage_of[v] < k and v in nograd)
-            acts = tuple(v for v in made if stage_of[v] < k and v not in nograd and max(used_by.get(v, {-1})) >= k)
+            after = set(layout_out.get(k - 1, ()))
+            context = tuple(v for v in made if v in reads and stage_of[v] < k and v in nograd and v not in after)
+            if k in self.stack_at:
+                acts = layout_in[k]
+            elif k - 1 in self.stack_at:
+                acts = layout_out[k - 1]
+            else:
+                acts = tuple(v for v in made if stage_of[v] < k and v not in nograd and max(used_by.get(v, {-1})) >= k)
             plans.append(StagePlan(sl, params, inputs, context, acts, ()))
             self.context_vars += [v for v in context if v not in self.context_vars]
         for k in range(L):
@@ -202,28 +206,40 @@ class JaxprChain:
                 prologue.append(e)
                 need.update(v for v in e.invars if _is_var(v))
         self.prologue = tuple(reversed(prologue))
-        self.chain = Chain(tuple(self._stage(k) for k in range(L)))
+        # the chain's stages: one per cut stage, a layer stack's one per layer (cut stage, layer)
+        self.at: list[tuple[int, int]] = [
+            (k, j) for k in range(L) for j in range(self.stack_at[k].length if k in self.stack_at else 1)
+        ]
+        stages: list[Stage] = []
+        stacked = []
+        for k in range(L):
+            if k in self.stack_at:
+                stacked.append(Stacked(k, len(stages), self.stack_at[k].length, None))
+                stages += self._layers(k, len(stages))
+            else:
+                stages.append(self._stage(k, len(stages)))
+        self.chain = Chain(tuple(stages), stacked=tuple(stacked))
 
     @classmethod
-    def of(cls, closed: Any, stages: Any = "auto", max_stages: int = MAX_STAGES) -> "JaxprChain":
+    def of(
+        cls, closed: Any, stages: Any = "auto", max_stages: int = MAX_STAGES, differentiated: int | None = None
+    ) -> "JaxprChain":
         """``closed`` cut into stages by :func:`find_cuts` (``stages``, ``max_stages``), its
-        constants taken out first (:func:`split_constants`)."""
+        constants taken out first (:func:`split_constants`), its layer stacks a stage per layer."""
         kept, constants = split_constants(closed)
-        return cls(kept, find_cuts(kept.jaxpr, stages, max_stages), constants)
+        stacks = find_stacks(kept.jaxpr, {v for e in constants for v in e.outvars if _is_var(v)})
+        cuts = find_cuts(kept.jaxpr, stages, max_stages, sorted(stacks))
+        return cls(kept, cuts, constants, stacks, differentiated)
 
-    def _stage(self, k: int) -> Stage:
+    def _stage(self, k: int, index: int) -> Stage:
         p = self.plans[k]
         consts = self.consts
 
         def run(variables: dict, a: tuple, inline: bool) -> tuple[Any, dict]:
-            env = dict(consts)
-            env.update(zip((self.invars[j] for j in p.params), variables["params"]))
-            env.update(zip((self.invars[j] for j in p.inputs), variables["inputs"]))
-            env.update(zip(p.context, variables["context"]))
+            env = {**consts, **self._given(p, variables)}
             env.update(zip(p.acts_in, a))
-            _evaluate(p.eqns, env, inline)
-            read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
-            return tuple(read(v) for v in p.outs), {}
+            evaluate(p.eqns, env, inline)
+            return tuple(read(env, v) for v in p.outs), {}
 
         def apply(variables: dict, a: tuple, rngs: Any) -> tuple[Any, dict]:
             return run(variables, a, False)
@@ -233,63 +249,117 @@ class JaxprChain:
 
         name = self.cuts.names[k]
         return Stage(
-            f"{k}:{name}",
+            f"{index}:{name}",
             name.split("/")[-1] or "stage",
             apply,
             key=function_key(apply) + ":" + stage_digest(p, self.invars),
             unwrapped=unwrapped if any(e.primitive.name in REMAT_PRIMITIVES for e in p.eqns) else None,
         )
 
+    def _layers(self, k: int, start: int) -> list[Stage]:
+        """The stages of layer stack ``k``, one per layer, the first at chain index ``start``: each
+        runs the scan's body once on its carry and its slices of the stacked operands, the values
+        passing the stack unchanged. The user's own ``jax.checkpoint`` / ``nn.remat`` inside the
+        body runs as its body: the plan decides what each layer keeps."""
+        p, st = self.plans[k], self.stack_at[k]
+        body, n = st.body, len(st.carry_in)
+
+        def apply(variables: dict, a: tuple, rngs: Any) -> tuple[Any, dict]:
+            given = self._given(p, variables)
+            env = dict(zip(body.jaxpr.constvars, body.consts))
+            env.update(zip(body.jaxpr.invars, [*a[:n], *(given[v] for v in st.xs)]))
+            evaluate(body.jaxpr.eqns, env, inline=True)
+            return (*(read(env, w) for w in body.jaxpr.outvars[:n]), *a[n:]), {}
+
+        key = function_key(apply) + ":" + stage_digest(p, self.invars)
+        name = st.path or self.cuts.names[k] or "layers"
+        return [Stage(f"{start + j}:{name}[{j}]", "layer", apply, key=key) for j in range(st.length)]
+
     def variables(self, flat: Sequence[Any]) -> list[dict]:
-        """Each stage's variables from ``fun``'s flat inputs (the prologue runs here)."""
+        """Each layer's variables from ``fun``'s flat inputs (the prologue runs here): a stage's,
+        or a layer stack's stacked (``{collection: {"body": ...}}``, as a Repeat's)."""
         env = dict(self.consts)
         env.update(zip(self.invars, flat))
-        _evaluate(self.prologue, env)
+        evaluate(self.prologue, env)
         return [
-            {
-                "params": tuple(flat[j] for j in p.params),
-                "inputs": tuple(flat[j] for j in p.inputs),
-                "context": tuple(env[v] for v in p.context),
-            }
-            for p in self.plans
+            self._layer(k, self._collections(p, flat, [env[v] for v in p.context])) for k, p in enumerate(self.plans)
         ]
 
     def variable_shapes(self, flat: Sequence[Any]) -> list[dict]:
         """:meth:`variables` as shapes, from ``fun``'s flat inputs as ShapeDtypeStructs (their
         shardings kept for the parameters and inputs)."""
-        context = jax.eval_shape(lambda flat: [v["context"] for v in self.variables(flat)], list(flat))
+        context = jax.eval_shape(lambda flat: [v["context"] for v in self._flat_variables(flat)], list(flat))
+        return [self._layer(k, self._collections(p, flat, c)) for k, (p, c) in enumerate(zip(self.plans, context))]
+
+    def _differentiated(self, j: int) -> bool:
+        return self.differentiated is None or j < self.differentiated
+
+    def _collections(self, p: StagePlan, flat: Sequence[Any], context: Sequence[Any]) -> dict:
+        """A stage's variables by collection: ``params`` (the differentiated inputs it reads),
+        ``data`` (the other floating inputs: their gradient is not profiled), ``inputs`` (inputs
+        of no floating dtype), ``context``."""
+        return {
+            "params": tuple(flat[j] for j in p.params if self._differentiated(j)),
+            "data": tuple(flat[j] for j in p.params if not self._differentiated(j)),
+            "inputs": tuple(flat[j] for j in p.inputs),
+            "context": tuple(context),
+        }
+
+    def _given(self, p: StagePlan, variables: dict) -> dict:
+        """What stage plan ``p`` reads from its variables (:meth:`_collections`), by jaxpr var."""
+        given = dict(zip((self.invars[j] for j in p.params if self._differentiated(j)), variables["params"]))
+        given.update(zip((self.invars[j] for j in p.params if not self._differentiated(j)), variables["data"]))
+        given.update(zip((self.invars[j] for j in p.inputs), variables["inputs"]))
+        given.update(zip(p.context, variables["context"]))
+        return given
+
+    def _flat_variables(self, flat: Sequence[Any]) -> list[dict]:
         return [
-            {
-                "params": tuple(flat[j] for j in p.params),
-                "inputs": tuple(flat[j] for j in p.inputs),
-                "context": tuple(c),
-            }
-            for p, c in zip(self.plans, context)
+            {col: tree[BODY] if k in self.stack_at else tree for col, tree in v.items()}
+            for k, v in enumerate(self.variables(flat))
         ]
 
-    def activation_bytes(self, k: int) -> int:
-        """Bytes of ``a_k`` (global shapes), ``k = 0 .. L``."""
-        vs = self.plans[k].acts_in if k < len(self.plans) else self.plans[-1].outs
+    def _layer(self, k: int, v: dict) -> dict:
+        return {col: {BODY: tree} for col, tree in v.items()} if k in self.stack_at else v
+
+    def activation_bytes(self, i: int) -> int:
+        """Bytes of the chain's ``a_i`` (global shapes), ``i = 0 .. L``."""
+        vs = self.plans[self.at[i][0]].acts_in if i < len(self.at) else self.plans[-1].outs
         return sum(_nbytes(v) for v in vs if _is_var(v))
 
     def shared_values(self) -> list[tuple[int, int, int, str]]:
         """``(first, last, bytes, name)`` of each value that is part of ``a_first .. a_last``
-        (two or more activations), with its global size and the name of the stage that makes it."""
+        (two or more activations), with its global size and the name of the stage that makes it.
+        A layer stack's carry is another value at each layer; what passes the stack is one."""
         where: dict[Any, list[int]] = {}
-        for k, p in enumerate(self.plans):
-            for v in p.acts_in:
-                where.setdefault(v, []).append(k)
-        L = len(self.plans)
+        for i, (k, j) in enumerate(self.at):
+            carry = len(self.stack_at[k].carry_in) if k in self.stack_at and j > 0 else 0
+            for v in self.plans[k].acts_in[carry:]:
+                where.setdefault(v, []).append(i)
+        L = len(self.at)
         for v in dict.fromkeys(v for v in self.closed.jaxpr.outvars if _is_var(v)):
             if v in where:
                 where[v].append(L)
-        return [(ks[0], ks[-1], _nbytes(v), self.cuts.names[ks[0] - 1]) for v, ks in where.items() if len(ks) > 1]
+        return [
+            (ks[0], ks[-1], _nbytes(v), self.chain.stages[ks[0] - 1].name.split(":", 1)[-1])
+            for v, ks in where.items()
+            if len(ks) > 1 and _is_var(v)
+        ]
 
     @property
     def user_remat(self) -> tuple[int, ...]:
         """The stages holding the function's own ``jax.checkpoint`` / ``nn.remat`` (kept as written
-        inside them: the plan decides around them)."""
-        return tuple(k for k, p in enumerate(self.plans) if any(e.primitive.name in REMAT_PRIMITIVES for e in p.eqns))
+        inside them: the plan decides around them); a layer stack's layers run theirs as its body."""
+        return tuple(
+            i
+            for i, (k, _) in enumerate(self.at)
+            if k not in self.stack_at and any(e.primitive.name in REMAT_PRIMITIVES for e in self.plans[k].eqns)
+        )
+
+    @property
+    def stacks(self) -> list[tuple[LayerStack, int]]:
+        """The layer stacks, each with the chain index of its first layer's stage."""
+        return [(self.stack_at[g.layer], g.start) for g in self.chain.stacked]
 
     @property
     def context_bytes(self) -> int:
@@ -322,28 +392,6 @@ def _needed(constants: Sequence[Any], reads: set) -> tuple:
             found.append(e)
             need.update(v for v in e.invars if _is_var(v))
     return tuple(reversed(found))
-
-
-def trace(fun: Callable, args: tuple) -> tuple[Any, Any, Any]:
-    """``fun``'s closed jaxpr at ``args``' shapes, with the input and output tree structures."""
-    flat, in_tree = jax.tree.flatten(args)
-    shapes = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in flat]
-    out_tree: list = []
-
-    def flat_fun(*leaves: Any) -> list:
-        out = fun(*jax.tree.unflatten(in_tree, leaves))
-        leaves_out, tree = jax.tree.flatten(out)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(out):
-            if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-                raise TypeError(
-                    f"jaxremat.remat: the function's outputs must be arrays; output{jax.tree_util.keystr(path)} is "
-                    f"{type(leaf).__name__} {leaf!r}: return it from outside the remat'd function"
-                )
-        out_tree.append(tree)
-        return leaves_out
-
-    closed = jax.make_jaxpr(flat_fun)(*shapes)
-    return closed, in_tree, out_tree[0]
 
 
 __all__ = ["Cuts", "JaxprChain", "StagePlan", "crossing_bytes", "find_cuts", "split_constants", "trace"]

@@ -21,9 +21,9 @@ from jaxremat.profiling.stage import StageProfile, profile_stage, with_times
 from jaxremat.profiling.timing import TIMINGS, StageTimes
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-# 29: a stage holding a loop keeps at least the residuals its loop stacks (what each earlier
-# version changed: git log -S PROFILE_VERSION)
-PROFILE_VERSION = 29
+# 30: a layer of a loop keeps what a scan over its copies stacks; a stage holding a loop holds
+# nothing from constants (what each earlier version changed: git log -S PROFILE_VERSION)
+PROFILE_VERSION = 30
 
 
 @contextlib.contextmanager

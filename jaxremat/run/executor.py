@@ -30,7 +30,7 @@ def _warn_copies(layer: int, offloads: bool = False) -> None:
         f"the schedule offloads buffers of Repeat layer {layer} but does not store or checkpoint each of its "
         "copies alone, which a loop that offloads needs, so it runs unrolled"
         if offloads
-        else f"the schedule does not repeat one pattern over Repeat layer {layer}"
+        else f"the schedule does not repeat one pattern over Repeat layer {layer} (a Repeat or a scanned layer stack)"
     )
     warnings.warn(
         f"jaxremat: {why}: its stacked parameters are sliced, and XLA copies the slices and the gradient's "
