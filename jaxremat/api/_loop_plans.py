@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -104,6 +105,14 @@ def loop_candidates(chain: Chain, variables: Any, costs: ChainCosts, max_period:
     return loop_schedules(costs, loop_groups(chain), param_bytes(chain, variables), max_period)
 
 
+def least_loop_plan(chain: Chain, variables: Any, costs: ChainCosts, budget: Budget, max_period: int) -> Schedule:
+    """The loop schedule of least predicted peak, asked for ``budget`` (below that peak): for
+    verification to compile where the prediction refuses."""
+    least = min(loop_candidates(chain, variables, costs, max_period), key=lambda s: s.peak)
+    target = loop_budget_bytes(costs, loop_groups(chain), param_bytes(chain, variables), budget)
+    return dataclasses.replace(least, budget=target, asked=describe_loop_budget(chain, variables, costs, budget))
+
+
 def loop_schedules(
     costs: ChainCosts, groups: list[LoopGroup], weights: list[int], max_period: int, steps: int = 16
 ) -> list[Schedule]:
@@ -124,6 +133,7 @@ def least_loop_peak(costs: ChainCosts, groups: list[LoopGroup], weights: list[in
 
 __all__ = [
     "calibrated_loop_schedule",
+    "least_loop_plan",
     "loop_candidates",
     "describe_loop_budget",
     "least_loop_peak",

@@ -21,9 +21,10 @@ from jaxremat.profiling.stage import StageProfile, profile_stage, with_times
 from jaxremat.profiling.timing import TIMINGS, StageTimes
 
 # Bump when what a measurement means changes, so that cached profiles from before are not reused.
-# 30: a layer of a loop keeps what a scan over its copies stacks; a stage holding a loop holds
+# 31: a layer of a loop: its backwards' transients as a loop runs them. 30: a layer of a loop keeps
+# what a scan over its copies stacks; a stage holding a loop holds
 # nothing from constants (what each earlier version changed: git log -S PROFILE_VERSION)
-PROFILE_VERSION = 30
+PROFILE_VERSION = 31
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from jaxremat.model.stage import Stage
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
 from jaxremat.profiling.buffer_dump import HLO_TYPES
 from jaxremat.profiling.rates import Rates
-from jaxremat.profiling.stage_memory import backward_memory, with_loss
+from jaxremat.profiling.stage_memory import backward_memory, loop_transients, same_shapes, with_loss
 from jaxremat.profiling.timing import Program, StageTimes, option_time, roofline_floor
 from jaxremat.profiling.xla_buffers import fused_bytes
 
@@ -227,6 +227,12 @@ def profile_stage(
     grad = tree_bytes(params)
     fb_tmp, bwd_tmp = int(fb_tmp) + grad, int(bwd_tmp) + grad
     opts = {name: o._replace(tmp=o.tmp + grad) for name, o in opts.items()}
+    if scanned and not loop and same_shapes(out_shape, a_shape) and not is_sharded((params, a_shape)):
+        # a layer of a loop (a Repeat's copy, a scanned stack's layer): its backwards' transients
+        # as the loop runs them (the stacked gradient is the loop's, loop_costs)
+        inside = loop_transients(g, params, a_shape, rest, rng, {n: policies[n] for n in opts})
+        bwd_tmp, fb_tmp = inside["store"], inside["checkpoint"]
+        opts = {name: o._replace(tmp=inside[name]) for name, o in opts.items()}
     if loss is not None:
         fused = with_loss(g, loss, params, a_shape, rest, rng, input_grad, tree_bytes(out_shape))
 

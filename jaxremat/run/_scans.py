@@ -56,7 +56,7 @@ def scan_units(
 
     def iteration(P: Any, a: Any, u: jax.Array) -> tuple[Any, dict]:
         local: dict = {}
-        env = Env(dict(zip(range(first, first + stages), views(P))), u * stages, {})
+        env = Env(dict(zip(range(first, first + stages), views(P))), u * stages, {}, looped=True)
         return apply(env, a, local), local
 
     step = jax.checkpoint(iteration, policy=_save_all_but_cuts) if cut_in_checkpoint else iteration

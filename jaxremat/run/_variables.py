@@ -20,13 +20,15 @@ class Env:
     ``p`` stages runs copies ``u * p + ...``, whose keys are folded with that index), and
     ``keys`` by stage (a region's stages get their keys as inputs); ``at_input``: a region's
     stages start at the chain's input, whose cotangent is dead; ``alone``: a region of one stage
-    (its stage runs :attr:`~jaxremat.model.stage.Stage.unwrapped` where it has one)."""
+    (its stage runs :attr:`~jaxremat.model.stage.Stage.unwrapped` where it has one); ``looped``: the
+    body of a loop's iteration."""
 
     variables: dict[int, Any]
     offset: Any = 0
     keys: dict[int, Any] | None = None
     at_input: bool = False
     alone: bool = False
+    looped: bool = False
 
 
 @dataclass(frozen=True)
