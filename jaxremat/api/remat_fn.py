@@ -249,6 +249,12 @@ class RematFunction:
         )
         if traced.stacks:
             note += "; " + describe_stacks(traced.stacks)
+        if traced.loop_stages:
+            names = ", ".join(traced.chain.stages[k].name for k in traced.loop_stages)
+            note += (
+                f"; stage(s) {names} hold a loop that is not a layer stack (a while_loop, a scan whose per-step "
+                "outputs are read, a nested scan): one stage each, what the loop stacks counted"
+            )
         if static:
             note += f"; {len(static)} static input leaves (not arrays) passed through as they are"
         if traced.user_remat:

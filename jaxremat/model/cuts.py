@@ -106,7 +106,12 @@ def _sub_jaxprs(eqn: Any) -> list[Any]:
 
 def holds_loop(jaxpr: Any) -> bool:
     """Whether ``jaxpr`` runs a loop (:data:`LOOP_PRIMITIVES`), at any depth."""
-    return any(e.primitive.name in LOOP_PRIMITIVES or any(holds_loop(j) for j in _sub_jaxprs(e)) for e in jaxpr.eqns)
+    return runs_loop(jaxpr.eqns)
+
+
+def runs_loop(eqns: Sequence[Any]) -> bool:
+    """Whether ``eqns`` run a loop (:data:`LOOP_PRIMITIVES`), at any depth."""
+    return any(e.primitive.name in LOOP_PRIMITIVES or any(holds_loop(j) for j in _sub_jaxprs(e)) for e in eqns)
 
 
 def _inner_path(eqn: Any) -> list[str]:

@@ -34,16 +34,14 @@ which is a stage per layer, stacked as a :class:`~jaxremat.Repeat`'s copies.
 
 from __future__ import annotations
 
-import hashlib
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import jax
-from jax.extend import core as jcore
 
 from jaxremat.model.chain import Chain, Stacked
 from jaxremat.model.cuts import (  # noqa: F401 - find_cuts, crossing_bytes: part of this module's API
+    runs_loop,
     MAX_STAGES,
     REMAT_PRIMITIVES,
     Cuts,
@@ -54,7 +52,7 @@ from jaxremat.model.cuts import (  # noqa: F401 - find_cuts, crossing_bytes: par
     find_cuts,
 )
 from jaxremat.model.identity import function_key
-from jaxremat.model.jaxpr_eval import evaluate, read, trace
+from jaxremat.model.jaxpr_eval import evaluate, read, stage_digest, trace
 from jaxremat.model.layer_stacks import LayerStack, find_stacks, no_gradient
 from jaxremat.model.repeat import BODY
 from jaxremat.model.stage import Stage
@@ -72,46 +70,6 @@ class StagePlan:
     context: tuple  # vars made by the prologue (no gradient), held for the step
     acts_in: tuple  # the activation a_k
     outs: tuple  # a_{k+1}, or the function's outputs for the last stage
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def stage_digest(p: StagePlan, invars: Sequence[Any]) -> str:
-    """What a stage computes, the same in every process: its equations (primitives, parameters
-    without memory addresses, operand shapes), wired by position (a value is named by where it
-    comes from: the stage's parameters, inputs, context, activation, or an equation's output),
-    and which of those values it returns. Two stages with equal digests compute the same
-    function of equally shaped variables; a value passed through (a U-Net skip) is part of it.
-    (Python's ``hash`` of a string changes with each process, so a disk cache keyed by it never
-    hit in a new one.)"""
-    names: dict[Any, str] = {}
-    groups = (
-        ("p", [invars[j] for j in p.params]),
-        ("in", [invars[j] for j in p.inputs]),
-        ("c", p.context),
-        ("a", p.acts_in),
-    )
-    for group, vs in groups:
-        for n, v in enumerate(vs):
-            names[v] = f"{group}{n}"
-    parts: list[str] = [str([f"{g}:{[str(v.aval) for v in vs]}" for g, vs in groups])]
-
-    def ref(v: Any) -> str:
-        if isinstance(v, jcore.Literal):
-            return f"lit({v.val!r}:{v.aval})"
-        if v not in names:  # a constant of the function
-            names[v] = f"k{len(names)}:{v.aval}"
-        return names[v]
-
-    for n, e in enumerate(p.eqns):
-        params = _ADDRESS.sub("", str(sorted((k, str(v)) for k, v in e.params.items())))
-        parts.append(f"{e.primitive.name}({','.join(ref(v) for v in e.invars)}){params}")
-        for m, v in enumerate(e.outvars):
-            if _is_var(v):
-                names[v] = f"e{n}.{m}:{v.aval}"
-    parts.append(str([ref(v) if _is_var(v) or isinstance(v, jcore.Literal) else "?" for v in p.outs]))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
 class JaxprChain:
@@ -355,6 +313,11 @@ class JaxprChain:
             for i, (k, _) in enumerate(self.at)
             if k not in self.stack_at and any(e.primitive.name in REMAT_PRIMITIVES for e in self.plans[k].eqns)
         )
+
+    @property
+    def loop_stages(self) -> tuple[int, ...]:
+        """The stages holding a loop that is no layer stack (one stage each, their memory counted)."""
+        return tuple(i for i, (k, _) in enumerate(self.at) if k not in self.stack_at and runs_loop(self.plans[k].eqns))
 
     @property
     def stacks(self) -> list[tuple[LayerStack, int]]:

@@ -3,6 +3,8 @@ concrete (:func:`evaluate`): how a stage cut out of the jaxpr runs."""
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -41,6 +43,47 @@ def evaluate(eqns: Sequence[Any], env: dict, inline: bool = False) -> None:
                 env[v] = x
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def stage_digest(p: Any, invars: Sequence[Any]) -> str:
+    """What a stage (a :class:`~jaxremat.model.jaxpr_chain.StagePlan` ``p``) computes, the same in
+    every process: its equations (primitives, parameters without memory addresses, operand
+    shapes), wired by position (a value is named by where it
+    comes from: the stage's parameters, inputs, context, activation, or an equation's output),
+    and which of those values it returns. Two stages with equal digests compute the same
+    function of equally shaped variables; a value passed through (a U-Net skip) is part of it.
+    (Python's ``hash`` of a string changes with each process, so a disk cache keyed by it never
+    hit in a new one.)"""
+    names: dict[Any, str] = {}
+    groups = (
+        ("p", [invars[j] for j in p.params]),
+        ("in", [invars[j] for j in p.inputs]),
+        ("c", p.context),
+        ("a", p.acts_in),
+    )
+    for group, vs in groups:
+        for n, v in enumerate(vs):
+            names[v] = f"{group}{n}"
+    parts: list[str] = [str([f"{g}:{[str(v.aval) for v in vs]}" for g, vs in groups])]
+
+    def ref(v: Any) -> str:
+        if isinstance(v, jcore.Literal):
+            return f"lit({v.val!r}:{v.aval})"
+        if v not in names:  # a constant of the function
+            names[v] = f"k{len(names)}:{v.aval}"
+        return names[v]
+
+    for n, e in enumerate(p.eqns):
+        params = _ADDRESS.sub("", str(sorted((k, str(v)) for k, v in e.params.items())))
+        parts.append(f"{e.primitive.name}({','.join(ref(v) for v in e.invars)}){params}")
+        for m, v in enumerate(e.outvars):
+            if _is_var(v):
+                names[v] = f"e{n}.{m}:{v.aval}"
+    parts.append(str([ref(v) if _is_var(v) or isinstance(v, jcore.Literal) else "?" for v in p.outs]))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
 def read(env: dict, v: Any) -> Any:
     """``v``'s value: a literal's own, a variable's from ``env``."""
     return v.val if isinstance(v, jcore.Literal) else env[v]
@@ -68,4 +111,4 @@ def trace(fun: Callable, args: tuple) -> tuple[Any, Any, Any]:
     return closed, in_tree, out_tree[0]
 
 
-__all__ = ["evaluate", "read", "trace"]
+__all__ = ["evaluate", "read", "stage_digest", "trace"]
