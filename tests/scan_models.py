@@ -90,6 +90,49 @@ def linen_scan(layers: int = 8, width: int = 64, batch: int = 4, seq: int = 64) 
     return Case("linen nn.scan(nn.remat(Block)) with dropout", make, (v, x, jax.random.key(3)))
 
 
+class _SegmentBlock(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, h, segments):
+        y = nn.Dense(4 * self.width)(nn.LayerNorm()(h))
+        y = nn.Dense(self.width)(nn.gelu(y))
+        return h + jnp.where(segments[:, :, None] > 0, y, 0.0), None
+
+
+class _SegmentDecoder(nn.Module):
+    layers: int
+    width: int
+    hand: Any = None
+
+    @nn.compact
+    def __call__(self, x, segments):
+        block = _SegmentBlock if self.hand is None else nn.remat(_SegmentBlock, policy=_policy(self.hand))
+        stack = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=nn.broadcast,
+            length=self.layers,
+        )
+        h, _ = stack(self.width, name="layers")(nn.Dense(self.width)(x), segments)
+        return nn.Dense(1)(h)
+
+
+def linen_scan_broadcast(layers: int = 8, width: int = 64, batch: int = 4, seq: int = 64) -> Case:
+    """``nn.scan`` with an ``nn.broadcast`` input to every layer (integer segment ids, as MaxText
+    broadcasts ``decoder_segment_ids`` and ``decoder_positions``)."""
+    x = jax.random.normal(jax.random.key(1), (batch, seq, width))
+    segments = (jnp.arange(batch * seq).reshape(batch, seq) % 5).astype(jnp.int32)
+    v = _SegmentDecoder(layers, width).init(jax.random.key(0), x, segments)
+
+    def make(hand):
+        model = _SegmentDecoder(layers, width, hand)
+        return lambda v, x, segments: jnp.mean(model.apply(v, x, segments) ** 2)
+
+    return Case("linen nn.scan with an nn.broadcast input", make, (v, x, segments))
+
+
 def nnx_scan(layers: int = 8, width: int = 64, batch: int = 256) -> Case:
     """Layers made by ``nnx.vmap`` and run by ``nnx.scan`` (Flax NNX's scan-over-layers idiom)."""
 
@@ -185,6 +228,7 @@ def rnn(steps: int = 64, width: int = 128, batch: int = 64) -> Case:
 CASES = {
     "scan_mlp": scan_mlp,
     "linen_scan": linen_scan,
+    "linen_scan_broadcast": linen_scan_broadcast,
     "nnx_scan": nnx_scan,
     "equinox_scan": equinox_scan,
 }

@@ -35,7 +35,7 @@ def _check(case, budget: str, layers: int) -> tuple[int, int, jr.Plan]:
     return temp, plain, plan
 
 
-@pytest.mark.parametrize("name", ["scan_mlp", "linen_scan", "nnx_scan", "equinox_scan"])
+@pytest.mark.parametrize("name", ["scan_mlp", "linen_scan", "linen_scan_broadcast", "nnx_scan", "equinox_scan"])
 def test_a_scanned_stack_is_planned_per_layer_at_half_its_memory(name):
     case = scan_models.CASES[name]()
     temp, plain, _ = _check(case, "50%", 8)

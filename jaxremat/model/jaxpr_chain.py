@@ -127,7 +127,8 @@ class JaxprChain:
         layout_in, layout_out = {}, {}
         for k, st in self.stack_at.items():
             passing = tuple(v for v in made if stage_of[v] < k and v not in nograd and max(used_by.get(v, {-1})) > k)
-            layout_in[k], layout_out[k] = (*st.carry_in, *passing), (*st.carry_out, *passing)
+            layout_in[k] = (*st.carry_in, *st.consts, *passing)
+            layout_out[k] = (*st.carry_out, *st.consts, *passing)
         plans = []
         self.context_vars: list = []
         for k in range(L):
@@ -225,7 +226,8 @@ class JaxprChain:
         def apply(variables: dict, a: tuple, rngs: Any) -> tuple[Any, dict]:
             given = self._given(p, variables)
             env = dict(zip(body.jaxpr.constvars, body.consts))
-            env.update(zip(body.jaxpr.invars, [*a[:n], *(given[v] for v in st.xs)]))
+            invariant = a[n : n + len(st.consts)]
+            env.update(zip(body.jaxpr.invars, [*invariant, *a[:n], *(given[v] for v in st.xs)]))
             evaluate(body.jaxpr.eqns, env, inline=True)
             return (*(read(env, w) for w in body.jaxpr.outvars[:n]), *a[n:]), {}
 

@@ -8,10 +8,11 @@ executor runs as loops over the stacked parameters: no copy of them, compile tim
 
 What makes a scan a layer stack (:func:`find_stacks`), and why each condition:
 
-* it carries at least one floating value (the activation) and reads no loop-invariant operand
-  (``num_consts == 0``: each copy's variables are slices of the stacked ones; a broadcast
-  operand, such as ``nn.scan``'s ``nn.broadcast`` inputs, would be a variable of every copy
-  that is no slice; such a scan stays one stage);
+* it carries at least one floating value (the activation); its loop-invariant operands (``nn.scan``'s
+  ``nn.broadcast`` inputs: MaxText's segment ids and positions) are of no floating dtype, and
+  ride in the activation beside the carry, unchanged from layer to layer (one buffer, counted
+  once). A floating one (a shared weight, a float mask) would be a variable of every copy that
+  is no slice of the stacked ones, or a cotangent per layer: such a scan stays one stage;
 * its per-iteration operands (``xs``) are the function's inputs or values that carry no
   gradient (per-layer RNG keys made before it): the stacked parameters, sliced per copy. An
   ``xs`` computed from parameters (``ws * 2``) is an activation: one stage;
@@ -31,9 +32,10 @@ from jaxremat.model.cuts import REMAT_PRIMITIVES, _inexact, _inner_path, _is_var
 @dataclass(frozen=True)
 class LayerStack:
     """A ``scan`` equation that runs a stack of layers: ``length`` iterations of ``body`` (a
-    closed jaxpr of ``carry + xs -> carry + ys``), from ``carry_in`` to ``carry_out`` (its
-    outputs, unused ones as the jaxpr's drop vars), over the stacked ``xs``; ``path``, the module
-    path its body runs in (``Decoder/layers``; empty for a plain function)."""
+    closed jaxpr of ``consts + carry + xs -> carry + ys``), from ``carry_in`` to ``carry_out``
+    (its outputs, unused ones as the jaxpr's drop vars), over the stacked ``xs``, reading the
+    loop-invariant ``consts``; ``path``, the module path its body runs in (``Decoder/layers``;
+    empty for a plain function)."""
 
     eqn: Any
     length: int
@@ -41,6 +43,7 @@ class LayerStack:
     carry_out: tuple
     xs: tuple
     path: str
+    consts: tuple = ()
 
     @property
     def body(self) -> Any:
@@ -64,9 +67,12 @@ def layer_stack(e: Any, inputs: Collection[Any], nograd: Collection[Any]) -> Lay
         return None
     p = e.params
     consts, carry, length = int(p["num_consts"]), int(p["num_carry"]), int(p["length"])
-    if consts or p.get("reverse", False) or length < 2:
+    if p.get("reverse", False) or length < 2:
         return None
-    carry_in, xs = tuple(e.invars[:carry]), tuple(e.invars[carry:])
+    invariant = tuple(e.invars[:consts])
+    if any(not _is_var(v) or _inexact(v) for v in invariant):
+        return None
+    carry_in, xs = tuple(e.invars[consts : consts + carry]), tuple(e.invars[consts + carry :])
     carry_out, ys = tuple(e.outvars[:carry]), e.outvars[carry:]
     if not xs or any(_is_var(v) for v in ys):
         return None
@@ -74,7 +80,7 @@ def layer_stack(e: Any, inputs: Collection[Any], nograd: Collection[Any]) -> Lay
         return None
     if any(not _is_var(v) or not (v in inputs or v in nograd) for v in xs):
         return None
-    return LayerStack(e, length, carry_in, carry_out, xs, "/".join(_inner_path(e)) or _stack(e))
+    return LayerStack(e, length, carry_in, carry_out, xs, "/".join(_inner_path(e)) or _stack(e), invariant)
 
 
 def find_stacks(jaxpr: Any, free: Collection[Any] = ()) -> dict[int, LayerStack]:
