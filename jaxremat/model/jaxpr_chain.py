@@ -238,18 +238,23 @@ class JaxprChain:
     def variables(self, flat: Sequence[Any]) -> list[dict]:
         """Each layer's variables from ``fun``'s flat inputs (the prologue runs here): a stage's,
         or a layer stack's stacked (``{collection: {"body": ...}}``, as a Repeat's)."""
-        env = dict(self.consts)
-        env.update(zip(self.invars, flat))
-        evaluate(self.prologue, env)
         return [
-            self._layer(k, self._collections(p, flat, [env[v] for v in p.context])) for k, p in enumerate(self.plans)
+            self._layer(k, self._collections(p, flat, c))
+            for k, (p, c) in enumerate(zip(self.plans, self._contexts(flat)))
         ]
 
     def variable_shapes(self, flat: Sequence[Any]) -> list[dict]:
         """:meth:`variables` as shapes, from ``fun``'s flat inputs as ShapeDtypeStructs (their
         shardings kept for the parameters and inputs)."""
-        context = jax.eval_shape(lambda flat: [v["context"] for v in self._flat_variables(flat)], list(flat))
-        return [self._layer(k, self._collections(p, flat, c)) for k, (p, c) in enumerate(zip(self.plans, context))]
+        contexts = jax.eval_shape(self._contexts, list(flat))
+        return [self._layer(k, self._collections(p, flat, c)) for k, (p, c) in enumerate(zip(self.plans, contexts))]
+
+    def _contexts(self, flat: Sequence[Any]) -> list[tuple]:
+        """Each stage's context values (the prologue run on ``fun``'s flat inputs)."""
+        env = dict(self.consts)
+        env.update(zip(self.invars, flat))
+        evaluate(self.prologue, env)
+        return [tuple(env[v] for v in p.context) for p in self.plans]
 
     def _differentiated(self, j: int) -> bool:
         return self.differentiated is None or j < self.differentiated
@@ -272,12 +277,6 @@ class JaxprChain:
         given.update(zip((self.invars[j] for j in p.inputs), variables["inputs"]))
         given.update(zip(p.context, variables["context"]))
         return given
-
-    def _flat_variables(self, flat: Sequence[Any]) -> list[dict]:
-        return [
-            {col: tree[BODY] if k in self.stack_at else tree for col, tree in v.items()}
-            for k, v in enumerate(self.variables(flat))
-        ]
 
     def _layer(self, k: int, v: dict) -> dict:
         return {col: {BODY: tree} for col, tree in v.items()} if k in self.stack_at else v
