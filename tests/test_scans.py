@@ -47,10 +47,19 @@ def test_a_scanned_stack_fits_other_budgets(budget):
     _check(scan_models.scan_mlp(), budget, 12)
 
 
-def test_the_users_remat_inside_a_scan_is_replaced_and_said():
+def test_the_users_remat_inside_a_scan_is_replaced_and_said_or_kept_when_asked():
     case = scan_models.linen_scan(layers=4)
-    f = jr.remat(case.make(FULL), "50%", method="xla", rates=ROOF, cache=False, quiet=True, verify=False)
+    loss = case.make(FULL)
+    f = jr.remat(loss, "50%", method="xla", rates=ROOF, cache=False, quiet=True, verify=False)
     assert "your jax.checkpoint / nn.remat inside its layer is replaced by the plan" in f.plan(*case.args).schedule.note
+    # kept: the scan one stage, run as written (each layer under the user's remat)
+    kept = jr.remat(loss, None, user_remat="keep", method="xla", rates=ROOF, cache=False, quiet=True, verify=False)
+    plan = kept.plan(*case.args)
+    assert "run as loops" not in plan.schedule.note and "kept as written (user_remat='keep')" in plan.schedule.note
+    for a, b in zip(jax.tree.leaves(jr.jit(jax.grad(kept))(*case.args)), jax.tree.leaves(jax.grad(loss)(*case.args))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="user_remat must be one of 'replace', 'keep'"):
+        jr.remat(loss, "50%", user_remat="drop")
 
 
 def test_a_scan_that_is_no_layer_stack_is_one_stage_with_its_memory_counted():
@@ -93,6 +102,22 @@ def test_layer_stacks_are_found_in_the_jaxpr():
     for fn in (reads_ys, from_params):
         traced = JaxprChain.of(trace(fn, (ws, x))[0])
         assert not traced.chain.stacked
+
+
+def test_stages_patterns_name_the_layers_of_a_stack():
+    """A stack's layers are named by module path and index (``_Decoder/layers[3]``); a ``stages=``
+    pattern may name them alone (the rest is one stage before and one after), and a pattern that
+    matches nothing lists them among the paths it could match."""
+    from jaxremat.model.jaxpr_chain import JaxprChain, trace
+
+    case = scan_models.linen_scan(layers=4)
+    closed = trace(case.loss, case.args)[0]
+    names = [s.name for s in JaxprChain.of(closed, r"layers\[\d+\]").chain.stages]
+    assert names == ["0:before", *(f"{k + 1}:_Decoder/layers[{k}]" for k in range(4)), "5:after"], names
+    names = [s.name for s in JaxprChain.of(closed, "embed|ln_f").chain.stages]
+    assert names[0] == "0:embed" and "_Decoder/layers[3]" in names[-2], names
+    with pytest.raises(ValueError, match=r"_Decoder/layers\[0\] \.\. _Decoder/layers\[3\]"):
+        JaxprChain.of(closed, "nothing")
 
 
 def test_at_a_users_remat_policy_memory_the_stack_fits():

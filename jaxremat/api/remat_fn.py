@@ -34,7 +34,7 @@ from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.core.units import format_bytes
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical
 from jaxremat.model.identity import leaf_signature
-from jaxremat.model.jaxpr_chain import MAX_STAGES, JaxprChain, trace
+from jaxremat.model.jaxpr_chain import MAX_STAGES, USER_REMAT, JaxprChain, trace
 from jaxremat.model.trees import abstract, is_sharded, sharding_key, sharding_of
 from jaxremat.profiling.profiler import profile
 from jaxremat.run.executor import execute
@@ -150,10 +150,12 @@ class RematFunction:
         options: PlanOptions,
         costs: dict[str, ChainCosts] | None = None,
         measured: dict[str, dict] | None = None,
+        user_remat: str = "replace",
     ):
         if not callable(fun):
             raise TypeError(f"jaxremat.remat needs a function, got {type(fun).__name__}")
         self.fun, self.stages, self.max_stages, self.options = fun, stages, max_stages, options
+        self.user_remat = user_remat
         self.budget = check_budget(budget)
         self._costs: dict[str, ChainCosts] = {} if costs is None else costs  # shared with with_budget
         # the schedules verification compiled, by signature: shared with with_budget too, so that a
@@ -164,7 +166,9 @@ class RematFunction:
 
     def with_budget(self, budget: Budget) -> "RematFunction":
         """The same function planned for ``budget``, sharing this one's profiles."""
-        return RematFunction(self.fun, budget, self.stages, self.max_stages, self.options, self._costs, self._measured)
+        return RematFunction(
+            self.fun, budget, self.stages, self.max_stages, self.options, self._costs, self._measured, self.user_remat
+        )
 
     def _prepare(self, args: tuple) -> _Prepared:
         leaves, tree = jax.tree.flatten(args)
@@ -211,7 +215,7 @@ class RematFunction:
         # the first argument's traced leaves: what the training step (and the verification)
         # differentiates; the profile leaves the other inputs' gradients out, as the step does
         first = sum(1 for n in dynamic if n < len(jax.tree.leaves(args[0]))) if args else 0
-        traced = JaxprChain.of(closed, self.stages, self.max_stages, differentiated=first)
+        traced = JaxprChain.of(closed, self.stages, self.max_stages, differentiated=first, user_remat=self.user_remat)
         variables = traced.variable_shapes(flat)
         t1 = time.perf_counter()
         costs = self._costs.get(key)
@@ -249,11 +253,17 @@ class RematFunction:
         )
         if traced.stacks:
             note += "; " + describe_stacks(traced.stacks)
+        if traced.kept_remat:
+            where = ", ".join(st.path or "a scan" for st in traced.kept_remat)
+            note += (
+                f"; your jax.checkpoint / nn.remat inside the scanned layers of {where} kept as written "
+                "(user_remat='keep'): each such scan one stage, the plan decides around it"
+            )
         if traced.loop_stages:
             names = ", ".join(traced.chain.stages[k].name for k in traced.loop_stages)
             note += (
-                f"; stage(s) {names} hold a loop that is not a layer stack (a while_loop, a scan whose per-step "
-                "outputs are read, a nested scan): one stage each, what the loop stacks counted"
+                f"; stage(s) {names} hold a loop that is not a layer stack, or one kept as written (a while_loop, "
+                "a scan whose per-step outputs are read, a nested scan): one stage each, what the loop stacks counted"
             )
         if static:
             note += f"; {len(static)} static input leaves (not arrays) passed through as they are"
@@ -325,7 +335,13 @@ class RematFunction:
 
 
 def remat(
-    fun: Any = None, budget: Budget = UNSET, *, stages: Any = "auto", max_stages: int = MAX_STAGES, **options: Any
+    fun: Any = None,
+    budget: Budget = UNSET,
+    *,
+    stages: Any = "auto",
+    max_stages: int = MAX_STAGES,
+    user_remat: str = "replace",
+    **options: Any,
 ) -> Any:
     """``fun`` with an optimal rematerialisation schedule within ``budget``.
 
@@ -337,7 +353,11 @@ def remat(
       stages: how ``fun``'s equations are cut into stages: ``"auto"`` (the Flax module-scope
         depth with the most stages up to ``max_stages``, else ``checkpoint_name`` markers, else
         cuts before matmuls and convolutions where the fewest bytes cross), an int (a module
-        depth), ``"names"``, ``"bytes"`` or a regex over module paths (``r"blocks_\\d+"``).
+        depth), ``"names"``, ``"bytes"`` or a regex over module paths (``r"blocks_\\d+"``). A
+        scan over stacked layers (``nn.scan``, ``nnx.scan``, ``lax.scan``) is a stage per layer
+        whatever it says; its layers are named ``Decoder/layers[3]``, and a pattern may name them.
+      user_remat: ``"replace"`` (default): a ``jax.checkpoint`` / ``nn.remat`` around a scanned
+        layer is replaced by the plan; ``"keep"``: kept as written, the scan one stage.
       options: ``algorithm``, ``method``, ``slots``, ``policies``, ``bandwidth``, ``verify`` as
         for :func:`jaxremat.remat_chain`; ``rates``, ``repeats``, ``cache``, ``quiet`` go to
         :func:`jaxremat.profile`. Any other keyword is an error now, not at the first call.
@@ -368,6 +388,9 @@ def remat(
         if budget is not UNSET:
             raise TypeError("jaxremat.remat(fun, budget): the first argument is the function")
         fun, budget = None, fun
+    if user_remat not in USER_REMAT:
+        kinds = ", ".join(map(repr, USER_REMAT))
+        raise ValueError(f"jaxremat.remat: user_remat must be one of {kinds}; got {user_remat!r}")
     if budget is UNSET:
         raise TypeError("jaxremat.remat needs a budget: bytes, '512MiB', '40%', or None for the store-all peak")
     # the loss is the function's own output; it verifies instead of calibrating, and has no
@@ -385,8 +408,8 @@ def remat(
         profile_options={k: v for k, v in options.items() if k not in known},
     )
     if fun is None:
-        return lambda f: RematFunction(f, budget, stages, max_stages, opts)
-    return RematFunction(fun, budget, stages, max_stages, opts)
+        return lambda f: RematFunction(f, budget, stages, max_stages, opts, user_remat=user_remat)
+    return RematFunction(fun, budget, stages, max_stages, opts, user_remat=user_remat)
 
 
 __all__ = ["RematFunction", "remat"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -156,16 +156,20 @@ def scope_cuts(eqns: Sequence[Any], depth: int) -> Cuts | None:
     return _from_keys(keys, len(eqns), f"{BY_SCOPE}{depth}")
 
 
-def pattern_cuts(eqns: Sequence[Any], pattern: str) -> Cuts | None:
-    """Cut where the part of the module path that ``pattern`` (a regex) matches changes."""
+def pattern_cuts(eqns: Sequence[Any], pattern: str, layers: Mapping[int, Sequence[str]] | None = None) -> Cuts | None:
+    """Cut where the part of the module path that ``pattern`` (a regex) matches changes.
+    ``layers``: for each layer stack (by equation index), its layers' names
+    (``Decoder/layers[3]``), matched in place of its equation's path; ``None`` when nothing matches."""
     rx = re.compile(pattern)
     keys = []
-    for e in eqns:
-        m = rx.search(_stack(e))
-        keys.append(m.group(0) if m else None)
+    for n, e in enumerate(eqns):
+        found = [m.group(0) for p in (layers or {}).get(n, (_stack(e),)) if (m := rx.search(p))]
+        keys.append(found[0] if found else None)
     if all(k is None for k in keys):
         return None
-    return _from_keys(keys, len(eqns), f"module paths matching {pattern!r}")
+    how = f"module paths matching {pattern!r}"
+    # one run: one stage, which a layer stack inside still cuts per layer (find_cuts)
+    return _from_keys(keys, len(eqns), how) or Cuts((0, len(eqns)), how, ("",))
 
 
 def name_cuts(eqns: Sequence[Any]) -> Cuts | None:
@@ -272,7 +276,7 @@ def isolate(cuts: Cuts, stacks: Sequence[int], n_eqns: int) -> Cuts:
     function's first or last equation): the stage before hands the stack its first carry as an
     activation, the one after reads its last."""
     bounds = sorted({*cuts.bounds, *stacks, *(q + 1 for q in stacks)})
-    names = [_name_at(cuts, b) for b in bounds[:-1]]
+    names = [_name_at(cuts, b) or ("before" if b < min(stacks) else "after") for b in bounds[:-1]]
     if stacks and min(stacks) == 0:  # an empty stage before: it reads the carry from the inputs
         bounds, names = [0, *bounds], ["input", *names]
     if stacks and max(stacks) == n_eqns - 1:  # an empty stage after: it returns the outputs
@@ -287,9 +291,12 @@ def _name_at(cuts: Cuts, b: int) -> str:
     return cuts.names[k]
 
 
-def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES, stacks: Sequence[int] = ()) -> Cuts:
-    """The stages of ``jaxpr``'s equations; each of ``stacks`` (equation indices of layer stacks,
-    :mod:`~jaxremat.model.layer_stacks`) a stage of its own between two others.
+def find_cuts(
+    jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES, stacks: Mapping[int, Sequence[str]] | None = None
+) -> Cuts:
+    """The stages of ``jaxpr``'s equations; each of ``stacks`` (layer stacks by equation index,
+    :mod:`~jaxremat.model.layer_stacks`, with their layers' names) a stage of its own between two
+    others, cut per layer whatever ``stages`` says; a pattern may name those layers.
 
     ``stages``: ``"auto"`` (the Flax module-scope depth with the most stages up to
     ``max_stages``; else ``checkpoint_name`` markers; else one cut per contraction; with
@@ -321,9 +328,10 @@ def find_cuts(jaxpr: Any, stages: Any = "auto", max_stages: int = MAX_STAGES, st
         found = found and with_loss_stage(jaxpr, found, max_stages)
         what = "Flax module scopes, checkpoint_name markers or matmuls/convolutions"
     else:
-        found = pattern_cuts(eqns, stages)
+        found = pattern_cuts(eqns, stages, stacks)
         if found is None:
-            paths = sorted({_stack(e) for e in eqns if _stack(e)})[:6]
+            layers = [f"{names[0]} .. {names[-1]}" for names in (stacks or {}).values()]
+            paths = (layers + sorted({_stack(e) for e in eqns if _stack(e)}))[:6]
             raise ValueError(
                 f"stages={stages!r} matches no module path of this function; its paths look like "
                 f"{paths or ['(none: the function has no Flax module scopes)']}"

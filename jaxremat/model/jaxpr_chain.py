@@ -53,9 +53,16 @@ from jaxremat.model.cuts import (  # noqa: F401 - find_cuts, crossing_bytes: par
 )
 from jaxremat.model.identity import function_key
 from jaxremat.model.jaxpr_eval import evaluate, read, stage_digest, trace
-from jaxremat.model.layer_stacks import LayerStack, find_stacks, no_gradient
+from jaxremat.model.layer_stacks import LayerStack, find_stacks, holds_remat, no_gradient
 from jaxremat.model.repeat import BODY
 from jaxremat.model.stage import Stage
+
+#: What ``jaxremat.remat(..., user_remat=)`` does with the user's own ``jax.checkpoint`` /
+#: ``nn.remat`` around a scanned layer: ``"replace"`` (the default) plans each layer of the stack
+#: as if it were not there (the plan decides what each layer keeps); ``"keep"`` keeps it as
+#: written: the scan is one stage holding a loop, stored (each layer under the user's policy) or
+#: recomputed as a whole, and the plan decides around it.
+USER_REMAT = ("replace", "keep")
 
 # -- the chain -----------------------------------------------------------------------------------
 
@@ -74,6 +81,9 @@ class StagePlan:
 
 class JaxprChain:
     """A traced function cut into a :class:`~jaxremat.Chain` of stages."""
+
+    #: the layer stacks kept as one stage for the user's remat inside (``user_remat="keep"``)
+    kept_remat: tuple[LayerStack, ...] = ()
 
     def __init__(
         self,
@@ -181,14 +191,27 @@ class JaxprChain:
 
     @classmethod
     def of(
-        cls, closed: Any, stages: Any = "auto", max_stages: int = MAX_STAGES, differentiated: int | None = None
+        cls,
+        closed: Any,
+        stages: Any = "auto",
+        max_stages: int = MAX_STAGES,
+        differentiated: int | None = None,
+        user_remat: str = "replace",
     ) -> "JaxprChain":
         """``closed`` cut into stages by :func:`find_cuts` (``stages``, ``max_stages``), its
-        constants taken out first (:func:`split_constants`), its layer stacks a stage per layer."""
+        constants taken out first (:func:`split_constants`), its layer stacks a stage per layer;
+        with ``user_remat="keep"``, a stack whose layer the user wrapped in ``jax.checkpoint`` /
+        ``nn.remat`` stays one stage, run as written (:data:`USER_REMAT`)."""
+        if user_remat not in USER_REMAT:
+            raise ValueError(f"user_remat must be one of {', '.join(map(repr, USER_REMAT))}; got {user_remat!r}")
         kept, constants = split_constants(closed)
         stacks = find_stacks(kept.jaxpr, {v for e in constants for v in e.outvars if _is_var(v)})
-        cuts = find_cuts(kept.jaxpr, stages, max_stages, sorted(stacks))
-        return cls(kept, cuts, constants, stacks, differentiated)
+        kept_remat = tuple(st for st in stacks.values() if user_remat == "keep" and holds_remat(st))
+        stacks = {n: st for n, st in stacks.items() if st not in kept_remat}
+        cuts = find_cuts(kept.jaxpr, stages, max_stages, {n: st.layer_names for n, st in stacks.items()})
+        traced = cls(kept, cuts, constants, stacks, differentiated)
+        traced.kept_remat = kept_remat
+        return traced
 
     def _stage(self, k: int, index: int) -> Stage:
         p = self.plans[k]
@@ -232,8 +255,7 @@ class JaxprChain:
             return (*(read(env, w) for w in body.jaxpr.outvars[:n]), *a[n:]), {}
 
         key = function_key(apply) + ":" + stage_digest(p, self.invars)
-        name = st.path or self.cuts.names[k] or "layers"
-        return [Stage(f"{start + j}:{name}[{j}]", "layer", apply, key=key) for j in range(st.length)]
+        return [Stage(f"{start + j}:{name}", "layer", apply, key=key) for j, name in enumerate(st.layer_names)]
 
     def variables(self, flat: Sequence[Any]) -> list[dict]:
         """Each layer's variables from ``fun``'s flat inputs (the prologue runs here): a stage's,

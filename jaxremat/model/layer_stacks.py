@@ -49,6 +49,12 @@ class LayerStack:
     def body(self) -> Any:
         return self.eqn.params["jaxpr"]
 
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """Its layers' stage names, by module path and index (``Decoder/layers[3]``), as
+        ``stages=`` patterns match them."""
+        return tuple(f"{self.path or 'layers'}[{j}]" for j in range(self.length))
+
 
 def no_gradient(jaxpr: Any, free: Collection[Any] = ()) -> set:
     """The values of ``jaxpr`` that carry no gradient: inputs of no floating dtype, its constants,
@@ -80,7 +86,8 @@ def layer_stack(e: Any, inputs: Collection[Any], nograd: Collection[Any]) -> Lay
         return None
     if any(not _is_var(v) or not (v in inputs or v in nograd) for v in xs):
         return None
-    return LayerStack(e, length, carry_in, carry_out, xs, "/".join(_inner_path(e)) or _stack(e), invariant)
+    path = [p for p in _stack(e).split("/") if p] + _inner_path(e)  # the body's paths are relative to the scan's
+    return LayerStack(e, length, carry_in, carry_out, xs, "/".join(path), invariant)
 
 
 def find_stacks(jaxpr: Any, free: Collection[Any] = ()) -> dict[int, LayerStack]:
