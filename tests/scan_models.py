@@ -225,6 +225,41 @@ def rnn(steps: int = 64, width: int = 128, batch: int = 64) -> Case:
     return Case("RNN over time steps (lax.scan, outputs read)", make, ((w_in, w_h, w_out), xs))
 
 
+class LinenStack(nn.Module):
+    """A module of a linen ``nn.Sequential`` that runs its blocks with ``nn.scan`` (dropout inside)."""
+
+    layers: int
+    width: int
+
+    @nn.compact
+    def __call__(self, h):
+        stack = nn.scan(
+            _Block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True}, length=self.layers
+        )
+        return stack(self.width, name="blocks")(h, None)[0]
+
+
+class NnxStack(nnx.Module):
+    """An NNX module of an ``nnx.Sequential`` whose blocks are made by ``nnx.vmap`` and run by ``nnx.scan``."""
+
+    def __init__(self, layers: int, width: int, rngs: nnx.Rngs):
+        class Block(nnx.Module):
+            def __init__(self, rngs: nnx.Rngs):
+                self.norm = nnx.LayerNorm(width, rngs=rngs)
+                self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+                self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+            def __call__(self, h):
+                return h + self.down(nnx.gelu(self.up(self.norm(h))))
+
+        self.blocks = nnx.vmap(lambda key: Block(nnx.Rngs(key)), in_axes=0, out_axes=0)(
+            jax.random.split(rngs.params(), layers)
+        )
+
+    def __call__(self, h):
+        return nnx.scan(lambda block, h: block(h), in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, h)
+
+
 CASES = {
     "scan_mlp": scan_mlp,
     "linen_scan": linen_scan,

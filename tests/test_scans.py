@@ -131,3 +131,53 @@ def test_at_a_users_remat_policy_memory_the_stack_fits():
     plan = f.plan(*case.args)
     temp, _ = update_step(f, case.args)
     assert temp <= hand and plan.verification.measured_peak <= plan.schedule.budget, (temp, hand)
+
+
+def _grads_equal(got, want) -> None:
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_remat_chain_plans_a_scanned_module_per_layer():
+    """An ``nn.scan`` decoder inside an ``nn.Sequential`` is planned as ``jaxremat.remat`` plans it:
+    a stage per layer, run as loops, dropout and gradients as the chain without remat, XLA's
+    memory within the budget."""
+    import flax.linen as nn
+
+    from jaxremat.api.scanned_chains import forward
+
+    width, layers = 64, 6
+    model = nn.Sequential([nn.Dense(width), scan_models.LinenStack(layers, width), nn.LayerNorm(), nn.Dense(1)])
+    x = jax.random.normal(jax.random.key(1), (4, 64, width))
+    chain = jr.remat_chain("50%", rng_streams=("dropout",), method="xla")(model)
+    v = chain.init(jax.random.key(0), x)
+
+    def loss(v, x, key, run=chain.apply):
+        return jnp.mean(run(v, x, {"dropout": key}) ** 2)
+
+    plan = chain.plan(v, x, {"dropout": jax.random.key(5)})
+    assert plan.schedule.costs.length >= layers + 2 and "Stack/blocks): stages" in plan.schedule.note
+    plain = lambda v, x, r: forward(chain.chain)(v, x, r)[0]  # noqa: E731
+    _grads_equal(jr.jit(jax.grad(loss))(v, x, jax.random.key(5)), jax.grad(loss)(v, x, jax.random.key(5), plain))
+    temp, _ = update_step(loss, (v, x, jax.random.key(5)))
+    assert temp <= 1.05 * plan.schedule.budget, (temp, plan.schedule.budget)
+    assert jr.plan(chain, v, x).schedule == plan.schedule  # jaxremat.plan of the wrapped model: the same plan
+
+
+def test_remat_nnx_plans_a_scanned_module_per_layer():
+    from flax import nnx
+
+    width, layers = 64, 6
+
+    def build():
+        rngs = nnx.Rngs(0)
+        stack = scan_models.NnxStack(layers, width, rngs)
+        return nnx.Sequential(nnx.Linear(width, width, rngs=rngs), stack, nnx.Linear(width, 1, rngs=rngs))
+
+    x = jax.random.normal(jax.random.key(1), (256, width))
+    model = jr.remat_nnx("50%", method="xla")(build())
+    plan = model.plan(x)
+    assert plan.schedule.costs.length >= layers + 2 and "run as loops" in plan.schedule.note
+    loss = lambda m: jnp.mean(m(x) ** 2)  # noqa: E731
+    _grads_equal(nnx.grad(loss)(model), nnx.grad(loss)(build()))
+    assert plan.verification.measured_peak <= plan.schedule.budget

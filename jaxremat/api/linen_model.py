@@ -6,6 +6,7 @@ from typing import Any, Callable, Sequence, TypeVar, overload
 
 from jaxremat.api.planner import Planner, plan_options
 from jaxremat.api.plans import Plan
+from jaxremat.api.scanned_chains import ScannedChain
 from jaxremat.core.budgets import Budget, check_budget
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import Rngs
@@ -39,6 +40,7 @@ class RematChain:
         self.model = model
         self.chain = Chain.from_linen(model, mutable=tuple(mutable), rng_streams=tuple(rng_streams))
         self.planner = Planner(budget, plan_options(**options))
+        self.scanned = ScannedChain(self.chain, budget, self.planner.options)
         if plan is not None:
             self.planner.add(plan)
 
@@ -51,6 +53,7 @@ class RematChain:
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
         other.planner = self.planner.with_budget(budget)
+        other.scanned = self.scanned.with_budget(budget)
         return other
 
     def init(self, rng: Any, x: Any, **kwargs: Any) -> Any:
@@ -59,14 +62,23 @@ class RematChain:
             return self.model.init(rng, x, **kwargs)
         return self.chain.init(rng, x)
 
-    def plan(self, variables: Any, sample: Any) -> Plan:
-        """The plan ``apply`` uses for these variables and input shape (made on first use)."""
+    def plan(self, variables: Any, sample: Any, rngs: Rngs = None) -> Plan:
+        """The plan ``apply`` uses for these variables and input shape (made on first use). Where
+        a module runs a scan over stacked layers (``nn.scan``), the chain is planned from its
+        jaxpr as :func:`jaxremat.remat` plans it, the scan's layers stages of their own
+        (:mod:`jaxremat.api.scanned_chains`); ``rngs`` as ``apply`` gets them."""
+        if self.scanned.holds_stack(variables, sample, rngs):
+            return self.scanned.plan(variables, sample, rngs)
         return self.planner.plan(self.chain, variables, sample)
 
     def apply(self, variables: Any, x: Any, rngs: Rngs = None, mutable: Any = False) -> Any:
         """As ``model.apply``: the output, or ``(output, updated collections)`` when ``mutable``."""
-        p = self.plan(variables, x)
-        out, updates = execute(self.chain, p.schedule, policies=self.planner.options.named_policies)(variables, x, rngs)
+        if self.scanned.holds_stack(variables, x, rngs):
+            out, updates = self.scanned(variables, x, rngs)
+        else:
+            p = self.planner.plan(self.chain, variables, x)
+            run = execute(self.chain, p.schedule, policies=self.planner.options.named_policies)
+            out, updates = run(variables, x, rngs)
         if not mutable:
             return out
         per_stage = [updates.get(i, {}) for i in range(len(self.chain))]

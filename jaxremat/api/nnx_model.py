@@ -8,6 +8,7 @@ from flax import nnx
 
 from jaxremat.api.planner import Planner, plan_options
 from jaxremat.api.plans import Plan
+from jaxremat.api.scanned_chains import ScannedChain
 from jaxremat.core.budgets import Budget, check_budget
 from jaxremat.model.chain import Chain
 from jaxremat.model.nnx import layer_list, nnx_state
@@ -38,6 +39,7 @@ class RematSequential(nnx.Module):
         # built once: a stage keeps its layer's graph definition and reads its state per call
         self.chain = Chain.from_nnx(layers)
         self.planner = Planner(budget, plan_options(**options))
+        self.scanned = ScannedChain(self.chain, budget, self.planner.options)
         if plan is not None:
             self.planner.add(plan)
 
@@ -46,13 +48,21 @@ class RematSequential(nnx.Module):
         return [nnx_state(layer) for layer in self.layers]
 
     def plan(self, sample: Any) -> Plan:
-        """The plan used for inputs shaped like ``sample`` (made on first use)."""
-        return self.planner.plan(self.chain, self.variables(), sample)
+        """The plan used for inputs shaped like ``sample`` (made on first use). Where a layer
+        runs a scan over stacked layers (``nnx.scan``), the chain is planned from its jaxpr as
+        :func:`jaxremat.remat` plans it (:mod:`jaxremat.api.scanned_chains`)."""
+        variables = self.variables()
+        if self.scanned.holds_stack(variables, sample):
+            return self.scanned.plan(variables, sample)
+        return self.planner.plan(self.chain, variables, sample)
 
     def __call__(self, x: Any) -> Any:
         variables = self.variables()
-        p = self.planner.plan(self.chain, variables, x)
-        out, updates = execute(self.chain, p.schedule, policies=self.planner.options.named_policies)(variables, x)
+        if self.scanned.holds_stack(variables, x, None):
+            out, updates = self.scanned(variables, x, None)
+        else:
+            p = self.planner.plan(self.chain, variables, x)
+            out, updates = execute(self.chain, p.schedule, policies=self.planner.options.named_policies)(variables, x)
         for i, new in updates.items():
             layer = self.layers[i]
             if isinstance(layer, nnx.Module) and "rest" in new:

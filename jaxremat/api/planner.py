@@ -122,6 +122,9 @@ def plan(
     if isinstance(planner, Planner) and isinstance(getattr(model, "chain", None), Chain):  # a wrapped model
         if options:
             raise TypeError(f"a wrapped model plans with its own options; got {', '.join(sorted(options))}")
+        scanned = getattr(model, "scanned", None)  # a module of it scans over layers: planned from its jaxpr
+        if scanned is not None and costs is None and scanned.holds_stack(variables, sample):
+            return (scanned if budget is UNSET else scanned.with_budget(budget)).plan(variables, sample)
         planner = planner if budget is UNSET else planner.with_budget(budget)
         if costs is not None:
             planner.costs[signature(model.chain, variables, sample)] = costs

@@ -24,14 +24,13 @@ from jaxremat.api import _loop_plans
 from jaxremat.api.calibrate import measured_loss, measured_optimizer
 from jaxremat.api.planner import UNSET, plan_options, warn_if_global
 from jaxremat.api.plans import Plan, PlanOptions, SetupTime, make_plan, option_names, signature
+from jaxremat.api._cut_report import describe_cuts
 from jaxremat.api.user_blocks import user_blocks
 from jaxremat.api.verify import Measured, verify
-from jaxremat.model.layer_stacks import describe as describe_stacks
 from jaxremat.core.budgets import Budget, check_budget
 from jaxremat.core.compile import as_planned, compiler_options
 from jaxremat.core.costs import ChainCosts, Shared
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
-from jaxremat.core.units import format_bytes
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical
 from jaxremat.model.identity import leaf_signature
 from jaxremat.model.jaxpr_chain import MAX_STAGES, USER_REMAT, JaxprChain, trace
@@ -247,32 +246,7 @@ class RematFunction:
         t3 = time.perf_counter()
         plan = self._verified(plan, traced, costs, variables, flat, first, self._measured.setdefault(key, {}))
         setup = SetupTime(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
-        note = (
-            f"{len(traced.chain)} stages cut by {traced.cuts.how}; held for the whole step: "
-            f"{format_bytes(traced.context_bytes)} of values without a gradient (masks, positions)"
-        )
-        if traced.stacks:
-            note += "; " + describe_stacks(traced.stacks)
-        if traced.kept_remat:
-            where = ", ".join(st.path or "a scan" for st in traced.kept_remat)
-            note += (
-                f"; your jax.checkpoint / nn.remat inside the scanned layers of {where} kept as written "
-                "(user_remat='keep'): each such scan one stage, the plan decides around it"
-            )
-        if traced.loop_stages:
-            names = ", ".join(traced.chain.stages[k].name for k in traced.loop_stages)
-            note += (
-                f"; stage(s) {names} hold a loop that is not a layer stack, or one kept as written (a while_loop, "
-                "a scan whose per-step outputs are read, a nested scan): one stage each, what the loop stacks counted"
-            )
-        if static:
-            note += f"; {len(static)} static input leaves (not arrays) passed through as they are"
-        if traced.user_remat:
-            names = ", ".join(traced.chain.stages[k].name for k in traced.user_remat)
-            note += (
-                f"; your own jax.checkpoint / nn.remat inside stage(s) {names}: kept as written where the stage is "
-                "stored, run as its body where the stage is recomputed alone"
-            )
+        note = describe_cuts(traced, len(static))
         sched = plan.schedule
         plan = dataclasses.replace(
             plan, schedule=dataclasses.replace(sched, note=f"{sched.note}; {note}" if sched.note else note), setup=setup
