@@ -342,9 +342,9 @@ def find_cuts(
         found = isolate(found if found is not None else one, sorted(stacks), len(eqns))
     if found is None or found.count < 2:
         why = (
-            " It runs a loop that is not a stack of layers (a while_loop or fori_loop, or a scan whose per-step "
-            "outputs are read or that reads values other than its per-layer slices): such a loop is one stage. "
-            "A scan over stacked layers (nn.scan, nnx.scan, lax.scan) is cut per layer."
+            " It runs a loop that is not a stack of layers (a while_loop or fori_loop, a scan of scans, or a scan "
+            "whose per-step outputs are read or that reads values other than its per-layer slices): such a loop is "
+            "one stage. A scan over stacked layers (nn.scan, nnx.scan, lax.scan) is cut per layer."
             if holds_loop(jaxpr)
             else ""
         )

@@ -316,7 +316,8 @@ class JaxprChain:
         for i, (k, j) in enumerate(self.at):
             carry = len(self.stack_at[k].carry_in) if k in self.stack_at and j > 0 else 0
             for v in self.plans[k].acts_in[carry:]:
-                where.setdefault(v, []).append(i)
+                if _is_var(v):  # not a literal first carry (an auxiliary loss's 0.0)
+                    where.setdefault(v, []).append(i)
         L = len(self.at)
         for v in dict.fromkeys(v for v in self.closed.jaxpr.outvars if _is_var(v)):
             if v in where:
@@ -324,7 +325,7 @@ class JaxprChain:
         return [
             (ks[0], ks[-1], _nbytes(v), self.chain.stages[ks[0] - 1].name.split(":", 1)[-1])
             for v, ks in where.items()
-            if len(ks) > 1 and _is_var(v)
+            if len(ks) > 1
         ]
 
     @property

@@ -64,7 +64,8 @@ def stage_digest(p: Any, invars: Sequence[Any]) -> str:
     )
     for group, vs in groups:
         for n, v in enumerate(vs):
-            names[v] = f"{group}{n}"
+            if _is_var(v):  # a literal (a scan's first carry 0.0: an auxiliary loss) is named by its value
+                names[v] = f"{group}{n}"
     parts: list[str] = [str([f"{g}:{[str(v.aval) for v in vs]}" for g, vs in groups])]
 
     def ref(v: Any) -> str:
@@ -85,8 +86,9 @@ def stage_digest(p: Any, invars: Sequence[Any]) -> str:
 
 
 def read(env: dict, v: Any) -> Any:
-    """``v``'s value: a literal's own, a variable's from ``env``."""
-    return v.val if isinstance(v, jcore.Literal) else env[v]
+    """``v``'s value: a literal's own (as an array: it may be an activation's leaf), a variable's
+    from ``env``."""
+    return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jcore.Literal) else env[v]
 
 
 def trace(fun: Callable, args: tuple) -> tuple[Any, Any, Any]:

@@ -18,6 +18,7 @@ What makes a scan a layer stack (:func:`find_stacks`), and why each condition:
   ``xs`` computed from parameters (``ws * 2``) is an activation: one stage;
 * its stacked outputs (``ys``) are unused: a stage's output is its carry alone. A scan whose
   ``ys`` are read (an RNN's outputs per time step) stays one stage;
+* its layer runs no loop itself: a scan of scans (``nn.remat_scan``) is one stage;
 * it runs forwards and at least twice.
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
-from jaxremat.model.cuts import REMAT_PRIMITIVES, _inexact, _inner_path, _is_var, _stack
+from jaxremat.model.cuts import REMAT_PRIMITIVES, _inexact, _inner_path, _is_var, _stack, runs_loop
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ def layer_stack(e: Any, inputs: Collection[Any], nograd: Collection[Any]) -> Lay
     if not any(_inexact(v) for v in carry_out):
         return None
     if any(not _is_var(v) or not (v in inputs or v in nograd) for v in xs):
+        return None
+    if runs_loop(e.params["jaxpr"].jaxpr.eqns):  # a scan of scans (nn.remat_scan): one stage
         return None
     path = [p for p in _stack(e).split("/") if p] + _inner_path(e)  # the body's paths are relative to the scan's
     return LayerStack(e, length, carry_in, carry_out, xs, "/".join(path), invariant)
