@@ -185,12 +185,15 @@ CHILD = textwrap.dedent("""
     from jaxremat.profiling import Rates
     from outside_models import loop_mlp
     case = loop_mlp(layers=6, width=64)
-    f = jr.remat(case.loss, "40%", method="xla", rates=Rates(1e10, 1e10), verify=False)
-    print(json.dumps([list(map(str, op)) for op in f.plan(*case.args).schedule.ops]))
+    f = jr.remat(case.loss, "40%", method="xla", rates=Rates(1e10, 1e10))
+    plan = f.plan(*case.args)
+    print(json.dumps([[list(map(str, op)) for op in plan.schedule.ops], plan.setup.cached, plan.measured_peak]))
 """)
 
 
-def test_two_processes_plan_alike_and_the_second_hits_the_cache(tmp_path):
+def test_two_processes_plan_alike_and_the_second_reads_the_verified_plan(tmp_path):
+    """The second process gets the first one's verified plan from the disk: no profile, no solve,
+    no compile (``SetupTime.cached``), the same ops and measured peak."""
     env = {**os.environ, "JAXREMAT_CACHE_DIR": str(tmp_path / "cache"), "JAXREMAT_CACHE": "1"}
     code = CHILD.format(tests=str(Path(__file__).resolve().parent))
     runs, entries = [], []
@@ -198,15 +201,37 @@ def test_two_processes_plan_alike_and_the_second_hits_the_cache(tmp_path):
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         entries.append(sorted(p.name for p in (tmp_path / "cache").glob("*.json")))
-    assert runs[0] == runs[1]
-    assert entries[0] and entries[0] == entries[1]  # nothing new profiled in the second process
+    (ops, cached, peak), (ops2, cached2, peak2) = runs
+    assert ops == ops2 and peak == peak2 and peak is not None and not cached and cached2
+    assert entries[0] and entries[0] == entries[1]  # nothing new profiled or kept in the second process
+
+
+def test_a_kept_plan_that_does_not_load_is_planned_again(monkeypatch, tmp_path):
+    """A corrupt or foreign entry in the plan cache is ignored, never an error; another budget is
+    another entry."""
+    from jaxremat.profiling import Rates
+
+    monkeypatch.setenv("JAXREMAT_CACHE_DIR", str(tmp_path))
+    case = loop_mlp(layers=4, width=32)
+    make = lambda b: jr.remat(case.loss, b, method="xla", rates=Rates(1e10, 1e10), verify=False)  # noqa: E731
+    first = make("50%").plan(*case.args)
+    again = make("50%").plan(*case.args)
+    assert again.setup.cached and again.schedule.ops == first.schedule.ops and not first.setup.cached
+    assert "read from the disk cache" in again.report()
+    assert not make("60%").plan(*case.args).setup.cached
+    before = set(tmp_path.glob("*.json"))
+    for entry in before:
+        entry.write_text('{"format": "jaxremat-stage-profile-v1", "key": "x"')  # truncated
+    with pytest.warns(UserWarning, match="ignoring cache entry"):
+        fresh = make("50%").plan(*case.args)
+    assert not fresh.setup.cached and fresh.schedule.ops == first.schedule.ops
 
 
 def test_a_region_of_several_stages_recomputes_in_the_backward():
     """The stages a region recomputes before its last read no cotangent; untied, XLA recomputed
     them in the forward pass and held the results until the backward (a 12-layer loop MLP's 50%
     plan, stages 3-6 a region before stored stages: 29.25 MiB where 18.25 were planned)."""
-    from jaxremat.api.remat_fn import step_measure
+    from jaxremat.api.verify_step import step_measure
     from jaxremat.core.ops import Op, OpKind
 
     case = loop_mlp(layers=8, width=128)

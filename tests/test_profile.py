@@ -365,3 +365,47 @@ def test_unread_is_the_output_bytes_a_backward_does_not_read():
         assert by_name["dots"].unread == (0 if p is stages[-1] else act)
     # B's need below its bundle's, as the solvers read it
     assert costs.option(2, 0).bwd_need == costs.bwd_tmp[2] - act
+
+
+def test_the_progress_bar_shows_only_after_two_seconds_on_a_terminal(monkeypatch):
+    """Profiling shows a bar on a terminal once it has taken longer than ``AFTER`` seconds, with
+    the distinct stages measured beside the count; never when quiet or for quick work."""
+    import sys
+
+    import rich.progress
+
+    from jaxremat.profiling.progress import progress
+
+    made = []
+
+    class Bar:
+        def __init__(self, *args, **kwargs):
+            self.updates = []
+            made.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def add_task(self, label, total, completed):
+            self.start = (label, total, completed)
+            return 0
+
+        def update(self, task, completed, description):
+            self.updates.append((completed, description))
+
+    monkeypatch.setattr(rich.progress, "Progress", Bar)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    for quiet, after in ((True, 0.0), (False, 100.0)):
+        with progress(3, "profiling stages", quiet, after=after) as advance:
+            for _ in range(3):
+                advance("1 distinct")
+    assert not made
+    with progress(3, "profiling stages", False, after=0.0) as advance:
+        for n in range(3):
+            advance(f"{n + 1} distinct: {n + 1} measured, 0 from the cache")
+    (bar,) = made
+    assert bar.start == ("profiling stages", 3, 0)
+    assert bar.updates[-1] == (3, "profiling stages (3 distinct: 3 measured, 0 from the cache)")

@@ -13,7 +13,7 @@ import jax
 
 from jaxremat.api import _loop_plans
 from jaxremat.api.calibrate import calibrated_solve, compile_schedule_step, step_temp
-from jaxremat.api.verify import Measured, Verification, verify
+from jaxremat.api.verify import HandCheck, Measured, Verification, verify
 from jaxremat.core.budgets import Budget, parse_budget
 from jaxremat.core.costs import ChainCosts
 from jaxremat.core.loops import MAX_PERIOD
@@ -123,12 +123,14 @@ class PlanOptions:
 @dataclass(frozen=True)
 class SetupTime:
     """Where a plan's first call spent its seconds: tracing the function and cutting it into
-    stages, profiling them (0 when the costs were cached), solving, and verifying by XLA."""
+    stages, profiling them (0 when the costs were cached), solving, and verifying by XLA;
+    ``cached``: the plan was read from the disk cache (:mod:`jaxremat.api.plan_cache`)."""
 
     trace: float
     profile: float
     plan: float
     verification: float
+    cached: bool = False
 
     @property
     def total(self) -> float:
@@ -138,6 +140,7 @@ class SetupTime:
         return (
             f"  setup {self.total:.1f} s: trace {self.trace:.1f}, profile {self.profile:.1f}, "
             f"plan {self.plan:.1f}, verification {self.verification:.1f}"
+            + ("; the plan read from the disk cache" if self.cached else "")
         )
 
 
@@ -206,6 +209,8 @@ class Plan:
             "bandwidth": None if s.bandwidth is None else [s.bandwidth.to_host, s.bandwidth.to_device],
             "blocks": [[b.start, b.stop, b.policy] for b in s.blocks],
             "asked": s.asked,
+            "note": s.note,
+            "verification": None if self.verification is None else dataclasses.asdict(self.verification),
         }
 
     def save(self, path: str | Path) -> None:
@@ -218,6 +223,11 @@ def load_plan(path: str | Path) -> Plan:
         d = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read a jaxremat plan from {path}: {e}") from None
+    return plan_from_json(d, str(path))
+
+
+def plan_from_json(d: Any, path: str = "the plan") -> Plan:
+    """The inverse of :meth:`Plan.to_json` (``ValueError`` naming ``path`` for anything else)."""
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{path} is not a jaxremat plan")
     if d.get("version") not in READS:
@@ -234,7 +244,11 @@ def load_plan(path: str | Path) -> Plan:
         bandwidth=d.get("bandwidth"),
         blocks=tuple(Block(int(b), int(e), str(p)) for b, e, p in d["blocks"]),
     )
-    return Plan(dataclasses.replace(schedule, asked=str(d["asked"])), d["signature"])
+    found = d.get("verification")
+    if found is not None:
+        found = Verification(**{**found, "hand": tuple(HandCheck(**h) for h in found.get("hand", ()))})
+    schedule = dataclasses.replace(schedule, asked=str(d["asked"]), note=str(d.get("note", "")))
+    return Plan(schedule, d["signature"], found)
 
 
 def make_plan(
@@ -318,6 +332,7 @@ def chain_measure(chain: Chain, variables: Any, sample: Any, policies: Any = Non
 __all__ = [
     "FORMAT",
     "READS",
+    "plan_from_json",
     "VERSION",
     "Plan",
     "PlanOptions",

@@ -13,24 +13,22 @@ import dataclasses
 import functools
 import json
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jaxremat.api import _loop_plans
-from jaxremat.api.calibrate import measured_loss, measured_optimizer
+from jaxremat.api import _loop_plans, plan_cache
 from jaxremat.api.planner import UNSET, plan_options, warn_if_global
 from jaxremat.api.plans import Plan, PlanOptions, SetupTime, make_plan, option_names, signature
 from jaxremat.api._cut_report import describe_cuts
 from jaxremat.api.user_blocks import user_blocks
-from jaxremat.api.verify import Measured, verify
+from jaxremat.api.verify import verify
+from jaxremat.api.verify_step import step_measure
 from jaxremat.core.budgets import Budget, check_budget
-from jaxremat.core.compile import as_planned, compiler_options
 from jaxremat.core.costs import ChainCosts, Shared
-from jaxremat.core.schedule import InfeasibleBudget, Schedule
+from jaxremat.core.schedule import InfeasibleBudget
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical
 from jaxremat.model.identity import leaf_signature
 from jaxremat.model.jaxpr_chain import MAX_STAGES, USER_REMAT, JaxprChain, trace
@@ -58,61 +56,6 @@ class _Prepared:
     in_tree: Any
     out_tree: Any
     dynamic: tuple[int, ...]  # positions of the leaves traced into the jaxpr
-
-
-def step_loss(out: Sequence[Any]) -> jax.Array:
-    """The scalar the verification step differentiates: the function's first output leaf where
-    that is a float scalar (a loss, or ``(loss, aux)`` as with ``has_aux``), else
-    :func:`~jaxremat.api.calibrate.measured_loss` of its float outputs."""
-    floats = [o for o in out if jnp.issubdtype(jnp.result_type(o), jnp.inexact)]
-    if out and jnp.ndim(out[0]) == 0 and floats and floats[0] is out[0]:
-        return out[0].astype(jnp.float32)
-    return measured_loss(floats)
-
-
-def step_measure(
-    traced: JaxprChain, flat: Sequence[Any], first: int, policies: Any = None
-) -> Callable[[Schedule], Measured]:
-    """``measure(schedule)``: XLA's temp bytes and flops of the training step under
-    ``schedule``, compiled as users compile it (:func:`~jaxremat.compiler_options`): the
-    gradient of :func:`step_loss` with respect to the float leaves of the first argument (the
-    parameters, as ``jax.grad``'s default ``argnums=0`` takes them; every float input if it has
-    none), the first ``first`` of ``flat``, consumed by an Adam update with the parameters and
-    its state donated, so no gradient is an output (the step whose memory the profile counts,
-    :func:`~jaxremat.api.calibrate.update_step`)."""
-    floats = [n for n, s in enumerate(flat) if jnp.issubdtype(s.dtype, jnp.inexact)]
-    diff = [n for n in floats if n < first] or floats
-    other = [n for n in range(len(flat)) if n not in diff]
-    opt = measured_optimizer()
-
-    def measure(schedule: Schedule) -> Measured:
-        forward = execute(traced.chain, schedule, policies=policies)
-
-        def loss(d: list, o: list) -> jax.Array:
-            leaves: list = [None] * len(flat)
-            for n, v in zip(diff, d):
-                leaves[n] = v
-            for n, v in zip(other, o):
-                leaves[n] = v
-            out, _ = forward(traced.variables(leaves), ())
-            return step_loss(list(out))
-
-        def step(d: list, state: Any, o: list) -> tuple:
-            value, g = jax.value_and_grad(loss)(d, o)
-            updates, state = opt.update(g, state, d)
-            return value, optax.apply_updates(d, updates), state
-
-        shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_of(s)) for s in flat]
-        d, o = [shapes[n] for n in diff], [shapes[n] for n in other]
-        state = jax.eval_shape(opt.init, d)
-        compiled = (
-            jax.jit(as_planned(step), donate_argnums=(0, 1)).lower(d, state, o).compile(compiler_options() or None)
-        )
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        return Measured(int(compiled.memory_analysis().temp_size_in_bytes), float((cost or {}).get("flops", 0.0)))
-
-    return measure
 
 
 def with_shared(costs: ChainCosts, traced: JaxprChain) -> ChainCosts:
@@ -217,6 +160,15 @@ class RematFunction:
         traced = JaxprChain.of(closed, self.stages, self.max_stages, differentiated=first, user_remat=self.user_remat)
         variables = traced.variable_shapes(flat)
         t1 = time.perf_counter()
+        cut = (self.stages, self.max_stages, self.user_remat)
+        kept = plan_cache.plan_key(closed, key, self.budget, self.options, cut)
+        use_disk = plan_cache.enabled(self.options)
+        cached = plan_cache.load(kept) if use_disk else None
+        if cached is not None and cached.signature == signature(traced.chain, variables, ()):
+            setup = SetupTime(t1 - t0, 0.0, 0.0, 0.0, cached=True)
+            found = _Prepared(traced, dataclasses.replace(cached, setup=setup), in_tree, out_tree, dynamic)
+            self._prepared[key] = found
+            return found
         costs = self._costs.get(key)
         if costs is None:
             with jax.ensure_compile_time_eval():
@@ -251,6 +203,8 @@ class RematFunction:
         plan = dataclasses.replace(
             plan, schedule=dataclasses.replace(sched, note=f"{sched.note}; {note}" if sched.note else note), setup=setup
         )
+        if use_disk:
+            plan_cache.store(kept, plan)
         found = _Prepared(traced, plan, in_tree, out_tree, dynamic)
         self._prepared[key] = found
         return found
@@ -332,8 +286,9 @@ def remat(
         whatever it says; its layers are named ``Decoder/layers[3]``, and a pattern may name them.
       user_remat: ``"replace"`` (default): a ``jax.checkpoint`` / ``nn.remat`` around a scanned
         layer is replaced by the plan; ``"keep"``: kept as written, the scan one stage.
-      options: ``algorithm``, ``method``, ``slots``, ``policies``, ``bandwidth``, ``verify`` as
-        for :func:`jaxremat.remat_chain`; ``rates``, ``repeats``, ``cache``, ``quiet`` go to
+      options: ``algorithm``, ``method`` (default ``"xla"``: the roofline time model, no timing
+        runs), ``slots``, ``policies``, ``bandwidth``, ``verify`` as for
+        :func:`jaxremat.remat_chain`; ``rates``, ``repeats``, ``cache``, ``quiet`` go to
         :func:`jaxremat.profile`. Any other keyword is an error now, not at the first call.
 
     Verified plans (``verify=True``, the default): before a plan is used, the training step
@@ -377,8 +332,10 @@ def remat(
             f"{', '.join(sorted(known))}, "
             f"and for the profiler {', '.join(PROFILE_KEYWORDS)}"
         )
+    # the roofline time model by default: no timing runs in the first call, the same plan in every
+    # process; verification ranks what fits by compiled flops either way (method="measure" times)
     opts = plan_options(
-        **{k: v for k, v in options.items() if k in known},
+        **{"method": "xla", **{k: v for k, v in options.items() if k in known}},
         profile_options={k: v for k, v in options.items() if k not in known},
     )
     if fun is None:

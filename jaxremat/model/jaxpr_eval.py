@@ -85,6 +85,13 @@ def stage_digest(p: Any, invars: Sequence[Any]) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
+def jaxpr_text(closed: Any) -> str:
+    """``closed`` as text, the same in every process: its equations with their parameters (memory
+    addresses left out) and the shapes and dtypes of its constants (not their values)."""
+    consts = [f"{np.shape(c)}:{jnp.result_type(c)}" for c in closed.consts]
+    return _ADDRESS.sub("", str(closed.jaxpr)) + "\n" + str(consts)
+
+
 def read(env: dict, v: Any) -> Any:
     """``v``'s value: a literal's own (as an array: it may be an activation's leaf), a variable's
     from ``env``."""
@@ -113,4 +120,4 @@ def trace(fun: Callable, args: tuple) -> tuple[Any, Any, Any]:
     return closed, in_tree, out_tree[0]
 
 
-__all__ = ["evaluate", "read", "stage_digest", "trace"]
+__all__ = ["evaluate", "jaxpr_text", "read", "stage_digest", "trace"]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import sys
 from typing import Any, Callable
 
 import jax
@@ -16,6 +14,7 @@ from jaxremat.model.chain import Chain
 from jaxremat.model.identity import closure_key, stage_identity
 from jaxremat.model.trees import is_sharded, mesh_devices, sharding_of, tree_bytes
 from jaxremat.profiling import cache as disk_cache
+from jaxremat.profiling.progress import progress
 from jaxremat.profiling.rates import Rates, device_rates
 from jaxremat.profiling.stage import StageProfile, profile_stage, with_times
 from jaxremat.profiling.timing import TIMINGS, StageTimes
@@ -25,19 +24,6 @@ from jaxremat.profiling.timing import TIMINGS, StageTimes
 # what a scan over its copies stacks; a stage holding a loop holds
 # nothing from constants (what each earlier version changed: git log -S PROFILE_VERSION)
 PROFILE_VERSION = 31
-
-
-@contextlib.contextmanager
-def _progress(total: int, quiet: bool, label: str = "profiling stages"):
-    """A rich progress bar on a terminal; nothing when quiet or when stderr is not a terminal."""
-    if quiet or not sys.stderr.isatty():
-        yield lambda: None
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task(label, total=total)
-        yield lambda: bar.advance(task)
 
 
 def profile_stages(
@@ -95,7 +81,8 @@ def profile_stages(
     seen: dict[str, StageProfile] = {}  # identical stages are measured once
     timed: dict[str, StageTimes] = {}  # the stages measured here, to be timed once all are compiled
     keys: list[str] = []
-    with _progress(len(chain), quiet) as advance:
+    measured_here = from_disk = 0
+    with progress(len(chain), "profiling stages", quiet) as advance:
         for i, (st, v) in enumerate(zip(chain.stages, per_stage)):
             key = disk_cache.make_key(
                 "stage",
@@ -136,20 +123,23 @@ def profile_stages(
                     policies=measured,
                     loss=loss if i == last else None,
                 )
+                measured_here += 1
                 if timer is not None:  # stored once timed
                     timed[key] = timer
                 elif use_disk and st.key:
                     disk_cache.store(key, dataclasses.asdict(prof))
+            elif key not in seen:
+                from_disk += 1
             seen[key] = prof
-            advance()
+            advance(f"{len(seen)} distinct: {measured_here} measured, {from_disk} from the cache")
     # Every stage measured here timed TIMINGS times once all are compiled, a pass over the stages
     # apart, each program's fastest time kept: a slow spell of the machine can outlast all the
     # rounds of one timing (right after a stage's compile most often), rarely all (StageTimes).
-    with _progress(TIMINGS * len(timed), quiet, "timing stages") as advance:
-        for _ in range(TIMINGS):
+    with progress(TIMINGS * len(timed), "timing stages", quiet) as advance:
+        for r in range(TIMINGS):
             for key, timer in timed.items():
                 timed[key] = timer.timed(repeats)
-                advance()
+                advance(f"{len(timed)} distinct stages, round {r + 1} of {TIMINGS}")
     cacheable = {k for k, st in zip(keys, chain.stages) if use_disk and st.key}
     for key, timer in timed.items():
         seen[key] = with_times(seen[key], timer)

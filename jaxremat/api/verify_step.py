@@ -1,0 +1,77 @@
+"""The training step that verification compiles for a :func:`jaxremat.remat` plan: the gradient of
+the function's loss with respect to its first argument's float leaves, consumed by an Adam
+update with the parameters and its state donated, as users compile their step."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxremat.api.calibrate import measured_loss, measured_optimizer
+from jaxremat.api.verify import Measured
+from jaxremat.core.compile import as_planned, compiler_options
+from jaxremat.core.schedule import Schedule
+from jaxremat.model.jaxpr_chain import JaxprChain
+from jaxremat.model.trees import sharding_of
+from jaxremat.run.executor import execute
+
+
+def step_loss(out: Sequence[Any]) -> jax.Array:
+    """The scalar the verification step differentiates: the function's first output leaf where
+    that is a float scalar (a loss, or ``(loss, aux)`` as with ``has_aux``), else
+    :func:`~jaxremat.api.calibrate.measured_loss` of its float outputs."""
+    floats = [o for o in out if jnp.issubdtype(jnp.result_type(o), jnp.inexact)]
+    if out and jnp.ndim(out[0]) == 0 and floats and floats[0] is out[0]:
+        return out[0].astype(jnp.float32)
+    return measured_loss(floats)
+
+
+def step_measure(
+    traced: JaxprChain, flat: Sequence[Any], first: int, policies: Any = None
+) -> Callable[[Schedule], Measured]:
+    """``measure(schedule)``: XLA's temp bytes and flops of the training step under
+    ``schedule``, compiled as users compile it (:func:`~jaxremat.compiler_options`): the
+    gradient of :func:`step_loss` with respect to the float leaves of the first argument (the
+    parameters, as ``jax.grad``'s default ``argnums=0`` takes them; every float input if it has
+    none), the first ``first`` of ``flat``, consumed by an Adam update with the parameters and
+    its state donated, so no gradient is an output (the step whose memory the profile counts,
+    :func:`~jaxremat.api.calibrate.update_step`)."""
+    floats = [n for n, s in enumerate(flat) if jnp.issubdtype(s.dtype, jnp.inexact)]
+    diff = [n for n in floats if n < first] or floats
+    other = [n for n in range(len(flat)) if n not in diff]
+    opt = measured_optimizer()
+
+    def measure(schedule: Schedule) -> Measured:
+        forward = execute(traced.chain, schedule, policies=policies)
+
+        def loss(d: list, o: list) -> jax.Array:
+            leaves: list = [None] * len(flat)
+            for n, v in zip(diff, d):
+                leaves[n] = v
+            for n, v in zip(other, o):
+                leaves[n] = v
+            out, _ = forward(traced.variables(leaves), ())
+            return step_loss(list(out))
+
+        def step(d: list, state: Any, o: list) -> tuple:
+            value, g = jax.value_and_grad(loss)(d, o)
+            updates, state = opt.update(g, state, d)
+            return value, optax.apply_updates(d, updates), state
+
+        shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_of(s)) for s in flat]
+        d, o = [shapes[n] for n in diff], [shapes[n] for n in other]
+        state = jax.eval_shape(opt.init, d)
+        compiled = (
+            jax.jit(as_planned(step), donate_argnums=(0, 1)).lower(d, state, o).compile(compiler_options() or None)
+        )
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        return Measured(int(compiled.memory_analysis().temp_size_in_bytes), float((cost or {}).get("flops", 0.0)))
+
+    return measure
+
+
+__all__ = ["step_loss", "step_measure"]
