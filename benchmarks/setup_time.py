@@ -52,23 +52,23 @@ CHILD = textwrap.dedent(
         else:
             model, x = models.gpt(), models.sample_input((8, 128), "int32", high=512)
         v = model.init(jax.random.key(0), x)
-        return lambda v, x: jnp.mean(model.apply(v, x).astype(jnp.float32) ** 2), (v, x)
+        return lambda v, x: jnp.mean(model.apply(v, x).astype(jnp.float32) ** 2), (v, x), False
 
     name = {name!r}
     if name in ("resnet", "gpt"):
-        loss, args = builtin(name)
+        loss, args, aux = builtin(name)
     else:
         case = (outside_models.CASES.get(name) or scan_models.CASES.get(name))()
-        loss, args = case.loss, case.args
+        loss, args, aux = case.loss, case.args, case.has_aux
     t0 = time.perf_counter()
-    update_step(loss, args)
+    update_step(loss, args, aux)
     plain = time.perf_counter() - t0
     t0 = time.perf_counter()
     f = jr.remat(loss, "50%", method={method!r}, quiet=True)
     plan = f.plan(*args)
     planned = time.perf_counter() - t0
     t0 = time.perf_counter()
-    update_step(f, args)
+    update_step(f, args, aux)
     compiled = time.perf_counter() - t0
     s = plan.setup
     print(json.dumps(dict(plain=plain, planned=planned, compiled=compiled, trace=s.trace, profile=s.profile,

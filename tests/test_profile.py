@@ -409,3 +409,23 @@ def test_the_progress_bar_shows_only_after_two_seconds_on_a_terminal(monkeypatch
     (bar,) = made
     assert bar.start == ("profiling stages", 3, 0)
     assert bar.updates[-1] == (3, "profiling stages (3 distinct: 3 measured, 0 from the cache)")
+
+
+def test_stages_that_slice_their_inputs_in_different_places_are_measured_once():
+    """Blocks that differ only by which row of an input they read (each block of an equinox list
+    draws its dropout keys from its own row of one split) are different stages, one cost."""
+    from jaxremat.model.identity import stage_identity
+    from jaxremat.model.jaxpr_chain import JaxprChain, trace
+
+    def f(ws, x, rows):
+        h = x
+        for i in range(6):
+            h = jnp.tanh(h @ ws[i]) * (rows[i] > 0)
+        return jnp.mean(h**2)
+
+    ws, x, rows = jnp.ones((6, 16, 16)), jnp.ones((8, 16)), jnp.ones((6, 16), jnp.int32)
+    traced = JaxprChain.of(trace(f, (ws, x, rows))[0])  # cut before each matmul: 2-4 alike
+    stages = traced.chain.stages[2:5]
+    shapes = traced.chain.split(traced.variable_shapes([ws, x, rows]))[2:5]
+    assert len({stage_identity(st, v) for st, v in zip(stages, shapes)}) == 3
+    assert len({stage_identity(st, v, costs=True) for st, v in zip(stages, shapes)}) == 1

@@ -62,12 +62,14 @@ def leaf_signature(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
     ]
 
 
-def stage_identity(stage: Stage, variables: Any, inputs: Any = None) -> str:
+def stage_identity(stage: Stage, variables: Any, inputs: Any = None, costs: bool = False) -> str:
     """The identity of ``stage`` with variables shaped like ``variables`` (and, when given,
     inputs shaped like ``inputs``), as text. Two stages with equal identities compute the same
     function of their variables and input; a stage without a ``key`` is only equal to itself
-    (its name is part of its identity)."""
-    parts: list[Any] = [stage.key or f"unkeyed:{stage.kind}:{stage.name}", leaf_signature(variables)]
+    (its name is part of its identity). ``costs``: what the profiler measures by, equal also for
+    stages that cost the same (:attr:`~jaxremat.model.stage.Stage.cost_key`)."""
+    key = (stage.cost_key or stage.key) if costs else stage.key
+    parts: list[Any] = [key or f"unkeyed:{stage.kind}:{stage.name}", leaf_signature(variables)]
     if inputs is not None:
         parts.append(leaf_signature(inputs))
     return json.dumps(parts)

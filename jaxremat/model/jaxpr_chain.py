@@ -236,6 +236,7 @@ class JaxprChain:
             apply,
             key=function_key(apply) + ":" + stage_digest(p, self.invars),
             unwrapped=unwrapped if any(e.primitive.name in REMAT_PRIMITIVES for e in p.eqns) else None,
+            cost_key=function_key(apply) + ":" + stage_digest(p, self.invars, costs=True),
         )
 
     def _layers(self, k: int, start: int) -> list[Stage]:

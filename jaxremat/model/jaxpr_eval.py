@@ -46,11 +46,13 @@ def evaluate(eqns: Sequence[Any], env: dict, inline: bool = False) -> None:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def stage_digest(p: Any, invars: Sequence[Any]) -> str:
+def stage_digest(p: Any, invars: Sequence[Any], costs: bool = False) -> str:
     """What a stage (a :class:`~jaxremat.model.jaxpr_chain.StagePlan` ``p``) computes, the same in
     every process: its equations (primitives, parameters without memory addresses, operand
     shapes), wired by position (a value is named by where it
     comes from: the stage's parameters, inputs, context, activation, or an equation's output),
+    with ``costs``, what it costs: the same for stages that differ only by where they slice
+    their variables (:attr:`~jaxremat.model.stage.Stage.cost_key`),
     and which of those values it returns. Two stages with equal digests compute the same
     function of equally shaped variables; a value passed through (a U-Net skip) is part of it.
     (Python's ``hash`` of a string changes with each process, so a disk cache keyed by it never
@@ -75,8 +77,14 @@ def stage_digest(p: Any, invars: Sequence[Any]) -> str:
             names[v] = f"k{len(names)}:{v.aval}"
         return names[v]
 
+    read = {v for g, vs in groups[:3] for v in vs if _is_var(v)}
     for n, e in enumerate(p.eqns):
-        params = _ADDRESS.sub("", str(sorted((k, str(v)) for k, v in e.params.items())))
+        items = e.params.items()
+        if costs and e.primitive.name == "slice" and e.invars[0] in read:
+            # where a slice of a stage's variables starts changes nothing it costs (each block of
+            # an equinox list draws its dropout keys from its own row of one split)
+            items = [(k, v) for k, v in items if k not in ("start_indices", "limit_indices")]
+        params = _ADDRESS.sub("", str(sorted((k, str(v)) for k, v in items)))
         parts.append(f"{e.primitive.name}({','.join(ref(v) for v in e.invars)}){params}")
         for m, v in enumerate(e.outvars):
             if _is_var(v):

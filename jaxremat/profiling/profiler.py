@@ -89,7 +89,7 @@ def profile_stages(
                 PROFILE_VERSION,
                 i == 0,
                 scanned[i],
-                stage_identity(st, v, shapes[i]),
+                stage_identity(st, v, shapes[i], costs=True),
                 method,
                 None if rates is None else dataclasses.asdict(rates),
                 repeats if method == "measure" else 0,
