@@ -2,7 +2,8 @@
 
 For each model, in a fresh process: the plain training step (gradient of the first argument,
 Adam, donated, as ``tests/outside_models.update_step`` compiles it) is compiled and timed; then
-``jaxremat.remat(loss, "50%", method=METHOD)``'s first call: tracing, profiling, solving,
+``jaxremat.remat(loss, "50%", method=METHOD)``'s first call (``"75%"`` where 50% is refused, the
+refusal's time counted): tracing, profiling, solving,
 verifying (the split its plan reports) and the compile of the planned step, which is what the
 user waits for before the first step runs. The same again in a second process with the same
 cache folder (``JAXREMAT_CACHE_DIR``): the verified plan is read from the disk
@@ -64,8 +65,13 @@ CHILD = textwrap.dedent(
     update_step(loss, args, aux)
     plain = time.perf_counter() - t0
     t0 = time.perf_counter()
-    f = jr.remat(loss, "50%", method={method!r}, quiet=True)
-    plan = f.plan(*args)
+    for budget in ("50%", "75%"):  # the first the model meets (a refusal's time counted too)
+        f = jr.remat(loss, budget, method={method!r}, quiet=True)
+        try:
+            plan = f.plan(*args)
+            break
+        except jr.InfeasibleBudget:
+            continue
     planned = time.perf_counter() - t0
     t0 = time.perf_counter()
     update_step(f, args, aux)
@@ -73,7 +79,7 @@ CHILD = textwrap.dedent(
     s = plan.setup
     print(json.dumps(dict(plain=plain, planned=planned, compiled=compiled, trace=s.trace, profile=s.profile,
                           plan=s.plan, verification=s.verification, cached=s.cached,
-                          stages=plan.costs.length)))
+                          stages=plan.costs.length, budget=budget)))
     """
 )
 
@@ -98,7 +104,8 @@ def row(name: str) -> str:
     ok1 = "yes" if total1 <= goal else "no"
     ok2 = "yes" if total2 <= 1.5 * second["plain"] else "no"
     return (
-        f"| {name} | {first['stages']} | {plain:.1f} | {total1:.1f} ({split}; compile {first['compiled']:.1f}) | "
+        f"| {name} | {first['budget']} | {first['stages']} | {plain:.1f} | "
+        f"{total1:.1f} ({split}; compile {first['compiled']:.1f}) | "
         f"{total1 / plain:.1f}x | {ok1} | {total2:.1f} | {total2 / second['plain']:.2f}x | {ok2} |"
     )
 
@@ -106,10 +113,11 @@ def row(name: str) -> str:
 def main() -> None:
     names = sys.argv[1:] or list(MODELS)
     head = (
-        "| model | stages | plain compile s | first call s (trace / profile / plan / verify; planned step's compile) "
+        "| model | budget | stages | plain compile s "
+        "| first call s (trace / profile / plan / verify; planned step's compile) "
         "| first / plain | within goal | second process s | second / plain | within 1.5x |"
     )
-    rows = [head, "|" + "---|" * 9]
+    rows = [head, "|" + "---|" * 10]
     for name in names:
         rows.append(row(name))
         print(rows[-1], flush=True)
@@ -118,7 +126,8 @@ def main() -> None:
             "# Setup time: the first call and a second process, against the plain compile",
             "",
             f"`python benchmarks/setup_time.py` ({datetime.date.today()}, CPU, jax "
-            f"{__import__('jax').__version__}, `jaxremat.remat(loss, '50%', method={METHOD!r})`, each run in a fresh "
+            f"{__import__('jax').__version__}, `jaxremat.remat(loss, '50%', method={METHOD!r})` (75% where 50% is "
+            "refused), each run in a fresh "
             "process; the second with the first one's cache folder). Goal: the first call at most 5x the plain "
             "compile or the plain compile + 10 s; the second process at most 1.5x.",
             "",

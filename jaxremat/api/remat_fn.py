@@ -24,16 +24,17 @@ from jaxremat.api.planner import UNSET, plan_options, warn_if_global
 from jaxremat.api.plans import Plan, PlanOptions, SetupTime, make_plan, option_names, signature
 from jaxremat.api._cut_report import describe_cuts
 from jaxremat.api.user_blocks import user_blocks
-from jaxremat.api.verify import verify
+from jaxremat.api.verify import Measured, verify
 from jaxremat.api.verify_step import step_measure
 from jaxremat.core.budgets import Budget, check_budget
 from jaxremat.core.costs import ChainCosts, Shared
-from jaxremat.core.schedule import InfeasibleBudget
+from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical
 from jaxremat.model.identity import leaf_signature
 from jaxremat.model.jaxpr_chain import MAX_STAGES, USER_REMAT, JaxprChain, trace
 from jaxremat.model.trees import abstract, is_sharded, sharding_key, sharding_of
 from jaxremat.profiling.profiler import profile
+from jaxremat.profiling.progress import progress
 from jaxremat.run.executor import execute
 
 #: Keywords of :func:`jaxremat.profile` that ``remat`` passes on.
@@ -235,18 +236,27 @@ class RematFunction:
         # hand strategy (the per-layer ones are among them; compiled flops count a loop's body once)
         # (from the profile's costs: a loop plan's own hold its loops' transients already)
         loops = _loop_plans.loop_candidates(chain, variables, profiled, o.max_period) if chain.stacked else None
-        sched, found = verify(
-            costs,
-            target,
-            plan.schedule,
-            step_measure(traced, flat, first, o.named_policies),
-            algorithm=o.algorithm,
-            slots=o.slots,
-            compare_hand=loops is None,
-            blocks=user_blocks(chain, traced.cuts, costs),
-            earlier=earlier,
-            candidates=loops,
-        )
+        compile_step = step_measure(traced, flat, first, o.named_policies)
+        with progress(None, "verifying the plan", bool(o.profile_options.get("quiet"))) as advance:
+            count = iter(range(1, 1000))
+
+            def measure(schedule: Schedule) -> Measured:
+                measured = compile_step(schedule)
+                advance(f"the step compiled under {next(count)} schedule(s)")
+                return measured
+
+            sched, found = verify(
+                costs,
+                target,
+                plan.schedule,
+                measure,
+                algorithm=o.algorithm,
+                slots=o.slots,
+                compare_hand=loops is None,
+                blocks=user_blocks(chain, traced.cuts, costs),
+                earlier=earlier,
+                candidates=loops,
+            )
         return Plan(sched, plan.signature, found)
 
     def plan(self, *args: Any) -> Plan:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Callable
 
 import jax
@@ -24,6 +26,9 @@ from jaxremat.profiling.timing import TIMINGS, StageTimes
 # what a scan over its copies stacks; a stage holding a loop holds
 # nothing from constants (what each earlier version changed: git log -S PROFILE_VERSION)
 PROFILE_VERSION = 31
+
+#: Stages measured at once (threads: compiling releases the GIL).
+COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def profile_stages(
@@ -81,57 +86,65 @@ def profile_stages(
     seen: dict[str, StageProfile] = {}  # identical stages are measured once
     timed: dict[str, StageTimes] = {}  # the stages measured here, to be timed once all are compiled
     keys: list[str] = []
-    measured_here = from_disk = 0
-    with progress(len(chain), "profiling stages", quiet) as advance:
-        for i, (st, v) in enumerate(zip(chain.stages, per_stage)):
-            key = disk_cache.make_key(
-                "stage",
-                PROFILE_VERSION,
-                i == 0,
-                scanned[i],
-                stage_identity(st, v, shapes[i], costs=True),
-                method,
-                None if rates is None else dataclasses.asdict(rates),
-                repeats if method == "measure" else 0,
-                jax.default_backend(),
-                jax.__version__,
-                policy_keys,
-                [str(sharding_of(leaf)) for leaf in jax.tree.leaves((v, shapes[i]))]
-                if is_sharded((v, shapes[i]))
-                else None,
-                closure_key(loss) if i == last and loss is not None else None,
-            )
-            keys.append(key)
-            prof = seen.get(key)
-            if prof is None and use_disk and st.key:
-                entry = disk_cache.load(key)
-                if entry is not None:
-                    try:
-                        prof = StageProfile.from_dict(entry)
-                    except TypeError:
-                        prof = None
-            if prof is None:
-                prof, timer = profile_stage(
-                    st,
-                    v,
-                    shapes[i],
-                    method=method,
-                    rates=rates,
-                    repeats=repeats,
-                    input_grad=i > 0,
-                    scanned=scanned[i],
-                    policies=measured,
-                    loss=loss if i == last else None,
-                )
-                measured_here += 1
+    todo: dict[str, int] = {}  # a stage to measure per distinct key
+    for i, (st, v) in enumerate(zip(chain.stages, per_stage)):
+        key = disk_cache.make_key(
+            "stage",
+            PROFILE_VERSION,
+            i == 0,
+            scanned[i],
+            stage_identity(st, v, shapes[i], costs=True),
+            method,
+            None if rates is None else dataclasses.asdict(rates),
+            repeats if method == "measure" else 0,
+            jax.default_backend(),
+            jax.__version__,
+            policy_keys,
+            [str(sharding_of(leaf)) for leaf in jax.tree.leaves((v, shapes[i]))]
+            if is_sharded((v, shapes[i]))
+            else None,
+            closure_key(loss) if i == last and loss is not None else None,
+        )
+        keys.append(key)
+        if key in seen or key in todo:
+            continue
+        entry = disk_cache.load(key) if use_disk and st.key else None
+        try:
+            seen[key] = StageProfile.from_dict(entry) if entry is not None else None
+        except TypeError:
+            seen[key] = None
+        if seen[key] is None:
+            del seen[key]
+            todo[key] = i
+
+    def measure(i: int) -> tuple[StageProfile, StageTimes | None]:
+        return profile_stage(
+            chain.stages[i],
+            per_stage[i],
+            shapes[i],
+            method=method,
+            rates=rates,
+            repeats=repeats,
+            input_grad=i > 0,
+            scanned=scanned[i],
+            policies=measured,
+            loss=loss if i == last else None,
+        )
+
+    # the distinct stages compiled side by side: XLA compiles without the GIL (a ResNet's 29
+    # stages, 21 s one after another on two cores)
+    with progress(len(todo), "profiling stages", quiet) as advance:
+        with ThreadPoolExecutor(max_workers=COMPILE_THREADS) as pool:
+            running = {pool.submit(measure, i): key for key, i in todo.items()}
+            for future in as_completed(running):
+                key = running[future]
+                prof, timer = future.result()
                 if timer is not None:  # stored once timed
                     timed[key] = timer
-                elif use_disk and st.key:
+                elif use_disk and chain.stages[todo[key]].key:
                     disk_cache.store(key, dataclasses.asdict(prof))
-            elif key not in seen:
-                from_disk += 1
-            seen[key] = prof
-            advance(f"{len(seen)} distinct: {measured_here} measured, {from_disk} from the cache")
+                seen[key] = prof
+                advance(f"{len(set(keys))} distinct of {len(chain)}, {len(set(keys)) - len(todo)} from the cache")
     # Every stage measured here timed TIMINGS times once all are compiled, a pass over the stages
     # apart, each program's fastest time kept: a slow spell of the machine can outlast all the
     # rounds of one timing (right after a stage's compile most often), rarely all (StageTimes).

@@ -14,10 +14,11 @@ AFTER = 2.0
 
 
 @contextlib.contextmanager
-def progress(total: int, label: str, quiet: bool, after: float = AFTER) -> Iterator[Callable[[str], None]]:
-    """``advance(detail)``: one of ``total`` steps of ``label`` done, ``detail`` (``"6 distinct
-    measured, 3 from the cache"``) shown beside it. A rich bar on stderr when it is a terminal,
-    from the first step after ``after`` seconds; nothing when ``quiet``."""
+def progress(total: int | None, label: str, quiet: bool, after: float = AFTER) -> Iterator[Callable[[str], None]]:
+    """``advance(detail)``: one of ``total`` steps of ``label`` done (``None``: as many as it
+    takes), ``detail`` (``"6 distinct: 3 measured, 3 from the cache"``) shown beside it. A rich
+    bar on stderr when it is a terminal, from the first step after ``after`` seconds; nothing
+    when ``quiet``."""
     if quiet or not sys.stderr.isatty():
         yield lambda detail="": None
         return
