@@ -17,12 +17,10 @@ is never worse than a hand strategy it could have been.
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass
 from typing import Callable, MutableMapping, Sequence
 
-import jax
 
 from jaxremat.api.calibrate import LOOP_OPTIMISM, calibrated_pick, calibrated_solve
 from jaxremat.core.costs import ChainCosts
@@ -30,6 +28,7 @@ from jaxremat.core.ops import Op, OpKind
 from jaxremat.core.schedule import Block, InfeasibleBudget, Schedule
 from jaxremat.core.simulator import predicted_flops
 from jaxremat.core.units import format_bytes
+from jaxremat.profiling.parallel import side_by_side
 from jaxremat.solvers import baselines
 
 #: At most this many hand strategies are compiled per plan (those predicted to run the fewest flops).
@@ -267,13 +266,12 @@ def verify(
         picked = sorted(ranked, key=lambda r: r[0])[:HAND_COMPILES]
         # each is compiled whatever the others measure: side by side (XLA compiles without the GIL)
         todo = [h for _, _, h in picked if (tuple(h.ops), h.blocks) not in {*seen, *earlier}]
-        if len(todo) > 1 and jax.device_count() == 1:  # a mesh context is the calling thread's own
-            with ThreadPoolExecutor(max_workers=len(todo)) as pool:
-                for h, m in zip(todo, pool.map(measure, todo)):
-                    key = (tuple(h.ops), h.blocks)
-                    if key not in earlier:
-                        earlier[key] = (h, m)
-                        compiled.append(key)
+        if len(todo) > 1:
+            for h, m in zip(todo, side_by_side(measure, todo)):
+                key = (tuple(h.ops), h.blocks)
+                if key not in earlier:
+                    earlier[key] = (h, m)
+                    compiled.append(key)
         for _, name, hand in picked:
             m = measured(hand)
             peak = hand.peak

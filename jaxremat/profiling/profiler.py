@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Callable
 
@@ -16,6 +15,7 @@ from jaxremat.model.chain import Chain
 from jaxremat.model.identity import closure_key, stage_identity
 from jaxremat.model.trees import is_sharded, mesh_devices, sharding_of, tree_bytes
 from jaxremat.profiling import cache as disk_cache
+from jaxremat.profiling.parallel import threads
 from jaxremat.profiling.progress import progress
 from jaxremat.profiling.rates import Rates, device_rates
 from jaxremat.profiling.stage import StageProfile, profile_stage, with_times
@@ -26,9 +26,6 @@ from jaxremat.profiling.timing import TIMINGS, StageTimes
 # what a scan over its copies stacks; a stage holding a loop holds
 # nothing from constants (what each earlier version changed: git log -S PROFILE_VERSION)
 PROFILE_VERSION = 31
-
-#: Stages measured at once (threads: compiling releases the GIL).
-COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def profile_stages(
@@ -131,12 +128,9 @@ def profile_stages(
             loss=loss if i == last else None,
         )
 
-    # the distinct stages compiled side by side: XLA compiles without the GIL (a ResNet's 29
-    # stages: 21.4 s one after another on two cores, 13.6 side by side). Not on several devices:
-    # a mesh set by a context manager (and flax's logical axis rules) is the calling thread's own
-    threads = COMPILE_THREADS if jax.device_count() == 1 else 1
+    # the distinct stages compiled side by side (:mod:`jaxremat.profiling.parallel`)
     with progress(len(todo), "profiling stages", quiet) as advance:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
+        with ThreadPoolExecutor(max_workers=threads()) as pool:
             running = {pool.submit(measure, i): key for key, i in todo.items()}
             for future in as_completed(running):
                 key = running[future]

@@ -16,6 +16,7 @@ from jaxremat.core.compile import barriers_survive, compiler_options
 from jaxremat.model.kernel_reads import orders_kernel_reads, reads_after_cotangent
 from jaxremat.model.stage import convolves
 from jaxremat.model.trees import is_sharded, tree_bytes, with_shardings
+from jaxremat.profiling.parallel import side_by_side
 from jaxremat.profiling.xla_buffers import bytes_kept_across_barrier, transient_bytes
 
 
@@ -134,9 +135,11 @@ def loop_transients(
         compiled = lowered.compile(compiler_options() or None)
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
+    jobs = [(n, policy) for policy in kinds.values() for n in (2, 4)]
+    temps = iter(side_by_side(lambda job: temp(*job), jobs))
     out = {}
-    for name, policy in kinds.items():
-        two, four = temp(2, policy), temp(4, policy)
+    for name in kinds:
+        two, four = next(temps), next(temps)
         out[name] = max(0, two - (four - two))  # T(n) = intercept + n * per-copy
     return out
 
