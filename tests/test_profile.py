@@ -153,7 +153,9 @@ def test_every_stage_is_timed_several_times_once_all_are_compiled(monkeypatch):
     v = chain.init(jax.random.key(0), x)
     costs, stages = profile_stages(chain, v, x, method="measure", quiet=True, policies=())
     names = [st.name for st in chain.stages]
-    assert events == names + [f"timing {n}" for n in range(timing.TIMINGS) for _ in names]
+    # the stages measured side by side (in threads: in any order), then timed
+    assert sorted(events[: len(names)]) == sorted(names)
+    assert events[len(names) :] == [f"timing {n}" for n in range(timing.TIMINGS) for _ in names]
     for s in stages:
         assert (s.fwd_time, s.bwd_time) == (3e-3, 6e-3)
         assert s.fb_time == timing.fused_time(8e-3, 3e-3, 6e-3, s.fb_flops, s.fwd_flops, s.bwd_flops) <= 8e-3
@@ -429,3 +431,16 @@ def test_stages_that_slice_their_inputs_in_different_places_are_measured_once():
     shapes = traced.chain.split(traced.variable_shapes([ws, x, rows]))[2:5]
     assert len({stage_identity(st, v) for st, v in zip(stages, shapes)}) == 3
     assert len({stage_identity(st, v, costs=True) for st, v in zip(stages, shapes)}) == 1
+
+
+def test_stages_measured_side_by_side_measure_as_one_after_another(monkeypatch):
+    """Compiling the distinct stages in threads changes no figure of the profile."""
+    from jaxremat.profiling import parallel
+
+    chain = Chain.from_linen([Block(64), Block(32), Block(16)])
+    x = jnp.ones((16, 64))
+    v = chain.init(jax.random.key(0), x)
+    side = profile(chain, v, x, method="xla", rates=RATES, cache=False)
+    monkeypatch.setattr(parallel, "COMPILE_THREADS", 1)
+    assert parallel.threads() == 1 and parallel.side_by_side(lambda n: 2 * n, range(4)) == [0, 2, 4, 6]
+    assert profile(chain, v, x, method="xla", rates=RATES, cache=False) == side
