@@ -100,3 +100,33 @@ def test_verification_takes_a_schedule_measured_at_another_budget():
     got, found = verify(c, target + 1, other, measure, compare_hand=False, earlier=earlier, tries=1)
     assert tuple(got.ops) == lean and found.measured_peak <= target + 1 and "another budget" in found.chosen
     assert compiles.count(lean) == 1 and len(compiles) > n
+
+
+def test_a_hand_strategy_that_fits_in_the_plans_flops_spares_the_corrections():
+    """A plan over the budget: the hand strategies are compiled first, and one that fits in no
+    more flops than the plan leaves nothing for a correction to win (each correction is a compile
+    of the whole step: an equinox transformer's 50% plan took four, 7 compiles instead of 3)."""
+    from jaxremat.api.verify import HAND_COMPILES, Measured, verify
+
+    L = 6
+    c = jr.ChainCosts(fwd=[1.0] * L, bwd=[2.0] * L, x=[100] * (L + 1), xbar=[300] * L, fwd_tmp=[0] * L, bwd_tmp=[0] * L)
+    plan = jr.solve(c, "60%")
+    target = plan.peak
+    compiles = []
+
+    def measure(s):
+        compiles.append(tuple(s.ops))
+        over = tuple(s.ops) == tuple(plan.ops)
+        return Measured(target + 10**6 if over else target - 1, 10.0 if over else 9.0)
+
+    got, found = verify(c, target, plan, measure)
+    assert found.corrections == 0 and found.measured_peak <= target and found.chosen != "corrected plan"
+    assert 1 < len(compiles) <= 1 + HAND_COMPILES and tuple(got.ops) != tuple(plan.ops)
+
+    def costly(s):  # the hand strategies fit, but in more flops than the plan: corrected as before
+        compiles.append(tuple(s.ops))
+        over = tuple(s.ops) == tuple(plan.ops)
+        return Measured(target + 10**6 if over else target - 1, 10.0 if over else 11.0)
+
+    got, found = verify(c, target, plan, costly)
+    assert found.corrections >= 1 and found.chosen == "corrected plan"

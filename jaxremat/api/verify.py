@@ -193,43 +193,8 @@ def verify(
             seen[key] = earlier[key][1]
         return seen[key]
 
-    x0, asked = int(costs.x[0]), schedule.asked
-    got = measured(schedule)
-    chosen, corrections = "plan", 0
-    fits = target is None or got.peak <= target
-    if candidates is not None and target is not None:
-        # loop schedules, cheapest first: over the budget, the cheapest that measures within it;
-        # within, a cheaper one that does too (the cost model's loop memory is pessimistic: the
-        # plan at a scanned decoder's "minimal" policy memory ran 1.17x its time, 2026-12-06)
-        # ranked by the flops the profile predicts, as hand strategies are (the roofline time
-        # model priced a decoder's every layer under dots_saveable above a checkpointing mix of
-        # 1.17x its flops, which ran 1.13-1.33x its time)
-        def cost(c: Schedule) -> tuple:
-            flops = predicted_flops(c.costs, c.ops)
-            return (c.time,) if flops is None else (flops, c.time)
-
-        mine = cost(schedule)
-        pool = sorted((c for c in candidates if not fits or cost(c) < mine), key=cost)
-        cal = calibrated_pick(
-            pool, target, lambda s: measured(s).peak - x0, optimistic=lambda s: int(LOOP_OPTIMISM * s.peak), tries=tries
-        )
-        if cal is not None:
-            schedule, chosen = cal.schedule, "corrected plan" if not fits else "a faster loop schedule measured within"
-            got, fits = measured(schedule), True
-        corrections = len(seen) - 1
-    elif not fits:
-        # calibrated_solve adds a_0 to what measure gives it; our peak holds it already
-        try:
-            cal = calibrated_solve(
-                costs, target, lambda s: measured(s).peak - x0, algorithm=algorithm, slots=slots, tries=tries + 1
-            )
-            schedule, chosen, fits = cal.schedule, "corrected plan", True
-            got = measured(schedule)
-        except InfeasibleBudget:
-            pass  # the hand strategies below may still fit
-        corrections = len(seen) - 1
-    checks: list[HandCheck] = []
-    if compare_hand and target is not None:
+    def hands(schedule: Schedule, fits: bool) -> list[tuple[str, Schedule]]:
+        """The hand strategies to compile beside ``schedule`` (at most HAND_COMPILES)."""
         ranked = []
         # what a hand strategy is judged by is what the plan is judged by: compiled flops, so
         # candidates are ranked by the flops the profile predicts where it has them. The time
@@ -263,16 +228,60 @@ def verify(
                 unsure = sched.peak > HAND_SLACK * target
                 key = (0, unsure, cost, not hand.blocks, peak) if fits or peak <= target else (1, peak)
                 ranked.append((key, name, sched))
-        picked = sorted(ranked, key=lambda r: r[0])[:HAND_COMPILES]
-        # each is compiled whatever the others measure: side by side (XLA compiles without the GIL)
-        todo = [h for _, _, h in picked if (tuple(h.ops), h.blocks) not in {*seen, *earlier}]
+        return [(name, sched) for _, name, sched in sorted(ranked, key=lambda r: r[0])[:HAND_COMPILES]]
+
+    def prefetch(schedules: Sequence[Schedule]) -> None:
+        """Compile ``schedules`` side by side (each is compiled whatever the others measure)."""
+        todo = [h for h in schedules if (tuple(h.ops), h.blocks) not in {*seen, *earlier}]
         if len(todo) > 1:
             for h, m in zip(todo, side_by_side(measure, todo)):
                 key = (tuple(h.ops), h.blocks)
                 if key not in earlier:
                     earlier[key] = (h, m)
                     compiled.append(key)
-        for _, name, hand in picked:
+
+    x0, asked = int(costs.x[0]), schedule.asked
+    got = measured(schedule)
+    chosen, corrections = "plan", 0
+    fits = target is None or got.peak <= target
+    if candidates is not None and target is not None:
+        # loop schedules, cheapest first: over the budget, the cheapest that measures within it;
+        # within, a cheaper one that does too (the cost model's loop memory is pessimistic: the
+        # plan at a scanned decoder's "minimal" policy memory ran 1.17x its time, 2026-12-06)
+        # ranked by the flops the profile predicts, as hand strategies are (the roofline time
+        # model priced a decoder's every layer under dots_saveable above a checkpointing mix of
+        # 1.17x its flops, which ran 1.13-1.33x its time)
+        def cost(c: Schedule) -> tuple:
+            flops = predicted_flops(c.costs, c.ops)
+            return (c.time,) if flops is None else (flops, c.time)
+
+        mine = cost(schedule)
+        pool = sorted((c for c in candidates if not fits or cost(c) < mine), key=cost)
+        cal = calibrated_pick(
+            pool, target, lambda s: measured(s).peak - x0, optimistic=lambda s: int(LOOP_OPTIMISM * s.peak), tries=tries
+        )
+        if cal is not None:
+            schedule, chosen = cal.schedule, "corrected plan" if not fits else "a faster loop schedule measured within"
+            got, fits = measured(schedule), True
+        corrections = len(seen) - 1
+    elif not fits and compare_hand and _hand_first(hands(schedule, False), measured, prefetch, target, got):
+        pass  # a hand strategy fits in no more flops than the plan over the budget: no correction can win
+    elif not fits:
+        # calibrated_solve adds a_0 to what measure gives it; our peak holds it already
+        try:
+            cal = calibrated_solve(
+                costs, target, lambda s: measured(s).peak - x0, algorithm=algorithm, slots=slots, tries=tries + 1
+            )
+            schedule, chosen, fits = cal.schedule, "corrected plan", True
+            got = measured(schedule)
+        except InfeasibleBudget:
+            pass  # the hand strategies below may still fit
+        corrections = len(seen) - 1
+    checks: list[HandCheck] = []
+    if compare_hand and target is not None:
+        picked = hands(schedule, fits)
+        prefetch([h for _, h in picked])
+        for name, hand in picked:
             m = measured(hand)
             peak = hand.peak
             ok = m.peak <= target + HAND_BYTES
@@ -306,6 +315,23 @@ def verify(
         hand=tuple(checks),
     )
     return (schedule if target is None else dataclasses.replace(schedule, budget=target, asked=asked)), verification
+
+
+def _hand_first(
+    picked: Sequence[tuple[str, Schedule]],
+    measured: Callable[[Schedule], Measured],
+    prefetch: Callable[[Sequence[Schedule]], None],
+    target: int,
+    got: Measured,
+) -> bool:
+    """Whether, of the hand strategies ``picked`` for a plan that measured ``got``, over the
+    budget, one fits in no more flops than it: compiled side by side before any correction, as
+    they would be after it. A correction plans for less memory, so for no fewer flops; each is a
+    compile of the step (an equinox transformer's 50% plan took four corrections before "every
+    block under dots_saveable", which fitted in the first plan's flops, was chosen: 7 compiles,
+    now 3)."""
+    prefetch([h for _, h in picked])
+    return any(measured(h).peak <= target + HAND_BYTES and measured(h).flops <= got.flops for _, h in picked)
 
 
 __all__ = ["HandCheck", "HandStrategy", "Measured", "Verification", "hand_strategies", "verify"]
