@@ -230,6 +230,18 @@ def verify(
                 ranked.append((key, name, sched))
         return [(name, sched) for _, name, sched in sorted(ranked, key=lambda r: r[0])[:HAND_COMPILES]]
 
+    def first_hands(schedule: Schedule) -> list[tuple[str, Schedule]]:
+        """The hand strategies worth compiling before correcting ``schedule``: predicted within
+        the budget at their least and in no more flops than it (no others can spare a correction;
+        a loop MLP's compiled two for nothing)."""
+        own = predicted_flops(costs, schedule.ops)
+        return [
+            (name, h)
+            for name, h in hands(schedule, False)
+            if h.least_peak <= target
+            and (own is None or (f := predicted_flops(costs, h.ops)) is None or f <= own * (1 + 1e-9))
+        ]
+
     def prefetch(schedules: Sequence[Schedule]) -> None:
         """Compile ``schedules`` side by side (each is compiled whatever the others measure)."""
         todo = [h for h in schedules if (tuple(h.ops), h.blocks) not in {*seen, *earlier}]
@@ -264,9 +276,10 @@ def verify(
             schedule, chosen = cal.schedule, "corrected plan" if not fits else "a faster loop schedule measured within"
             got, fits = measured(schedule), True
         corrections = len(seen) - 1
-    elif not fits and compare_hand and _hand_first(hands(schedule, False), measured, prefetch, target, got):
+    elif not fits and compare_hand and _hand_first(first_hands(schedule), measured, prefetch, target, got):
         pass  # a hand strategy fits in no more flops than the plan over the budget: no correction can win
     elif not fits:
+        before = len(seen)  # the plan, and the hand strategies compiled first
         # calibrated_solve adds a_0 to what measure gives it; our peak holds it already
         try:
             cal = calibrated_solve(
@@ -276,7 +289,7 @@ def verify(
             got = measured(schedule)
         except InfeasibleBudget:
             pass  # the hand strategies below may still fit
-        corrections = len(seen) - 1
+        corrections = len(seen) - before
     checks: list[HandCheck] = []
     if compare_hand and target is not None:
         picked = hands(schedule, fits)
