@@ -133,21 +133,24 @@ def linen_scan_broadcast(layers: int = 8, width: int = 64, batch: int = 4, seq: 
     return Case("linen nn.scan with an nn.broadcast input", make, (v, x, segments))
 
 
+class _NnxBlock(nnx.Module):
+    """A pre-norm MLP block of width ``width``."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+        self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.down(nnx.gelu(self.up(self.norm(h))))
+
+
 def nnx_scan(layers: int = 8, width: int = 64, batch: int = 256) -> Case:
     """Layers made by ``nnx.vmap`` and run by ``nnx.scan`` (Flax NNX's scan-over-layers idiom)."""
 
-    class Block(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.norm = nnx.LayerNorm(width, rngs=rngs)
-            self.up = nnx.Linear(width, 4 * width, rngs=rngs)
-            self.down = nnx.Linear(4 * width, width, rngs=rngs)
-
-        def __call__(self, h):
-            return h + self.down(nnx.gelu(self.up(self.norm(h))))
-
     @nnx.vmap(in_axes=0, out_axes=0)
     def make_blocks(key):
-        return Block(nnx.Rngs(key))
+        return _NnxBlock(width, nnx.Rngs(key))
 
     blocks = make_blocks(jax.random.split(jax.random.key(0), layers))
     graphdef, state = nnx.split(blocks)
@@ -243,16 +246,7 @@ class NnxStack(nnx.Module):
     """An NNX module of an ``nnx.Sequential`` whose blocks are made by ``nnx.vmap`` and run by ``nnx.scan``."""
 
     def __init__(self, layers: int, width: int, rngs: nnx.Rngs):
-        class Block(nnx.Module):
-            def __init__(self, rngs: nnx.Rngs):
-                self.norm = nnx.LayerNorm(width, rngs=rngs)
-                self.up = nnx.Linear(width, 4 * width, rngs=rngs)
-                self.down = nnx.Linear(4 * width, width, rngs=rngs)
-
-            def __call__(self, h):
-                return h + self.down(nnx.gelu(self.up(self.norm(h))))
-
-        self.blocks = nnx.vmap(lambda key: Block(nnx.Rngs(key)), in_axes=0, out_axes=0)(
+        self.blocks = nnx.vmap(lambda key: _NnxBlock(width, nnx.Rngs(key)), in_axes=0, out_axes=0)(
             jax.random.split(rngs.params(), layers)
         )
 
