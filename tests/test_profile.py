@@ -444,3 +444,24 @@ def test_stages_measured_side_by_side_measure_as_one_after_another(monkeypatch):
     monkeypatch.setattr(parallel, "COMPILE_THREADS", 1)
     assert parallel.threads() == 1 and parallel.side_by_side(lambda n: 2 * n, range(4)) == [0, 2, 4, 6]
     assert profile(chain, v, x, method="xla", rates=RATES, cache=False) == side
+
+
+def test_policies_that_save_everything_or_nothing_are_named_before_any_compile():
+    from jaxremat.profiling.stage import CHECKPOINT, STORE, saves_as
+
+    cp = jax.checkpoint_policies
+    policies = {"all": cp.everything_saveable, "none": cp.nothing_saveable, "dots": cp.dots_saveable,
+                "dots2": cp.dots_with_no_batch_dims_saveable}
+    args = (jax.ShapeDtypeStruct((8, 8), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.float32), {}, None)
+
+    def dense_tanh(p, x, r, k):  # tanh's backward reads what the dot made: dots_saveable saves it
+        return jnp.tanh(x @ p)
+
+    def dot_first(p, x, r, k):  # a linear contraction's backward reads only its inputs
+        return x @ p
+
+    same = saves_as(dense_tanh, *args, policies)
+    assert (same["all"], same["none"]) == (STORE, CHECKPOINT)
+    assert same["dots"] not in (STORE, CHECKPOINT) and same["dots"] == same["dots2"]
+    assert saves_as(dot_first, *args, policies)["dots"] == CHECKPOINT
+    assert saves_as(dense_tanh, *args, {}) == {}

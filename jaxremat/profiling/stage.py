@@ -119,6 +119,32 @@ def _from_residuals(pullback: Callable) -> Callable[..., Program]:
     return make
 
 
+#: What :func:`saves_as` names a policy that saves everything (the stage stored) or nothing (the
+#: stage checkpointed, recomputed whole in its backward).
+STORE, CHECKPOINT = "store", "checkpoint"
+
+
+def saves_as(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, policies: dict[str, Callable]) -> dict:
+    """Per policy, what it saves for ``g``'s backward, from the traced autodiff alone (no compile):
+    :data:`STORE` where that is everything, :data:`CHECKPOINT` where nothing, else the program
+    (policies of the same program save the same). A ResNet cut before each convolution saves
+    everything or nothing under ``dots_saveable`` at every stage: its convolution's output is the
+    stage's first value, which no backward reads."""
+
+    def program(policy: Callable) -> str:
+        gk = jax.checkpoint(g, policy=policy)
+        vjp = lambda p, x, r, k: jax.vjp(lambda p, x: gk(p, x, r, k), p, x)  # noqa: E731
+        return str(jax.make_jaxpr(vjp)(params, a_shape, rest, rng))
+
+    if not policies:
+        return {}
+    ends = {
+        program(jax.checkpoint_policies.everything_saveable): STORE,
+        program(jax.checkpoint_policies.nothing_saveable): CHECKPOINT,
+    }
+    return {name: ends.get(text, text) for name, text in ((n, program(p)) for n, p in policies.items())}
+
+
 def profile_stage(
     st: Stage, variables: dict, a_shape: Any, *, method: str, rates: Rates | None, repeats: int = 5,
     input_grad: bool = True, scanned: bool = False, policies: dict[str, Callable] | None = None,
@@ -180,16 +206,15 @@ def profile_stage(
         # residuals as JAX's autodiff saves them (as for xbar): at least what Fall; B costs there
         # (without this, every_stage over 48 transformer blocks used 1.39x its plan)
         fb_tmp = max(int(fb_tmp), xbar + max(fwd_tmp - tree_bytes(a_shape), bwd_tmp))
-    opts, by_program = {}, {}
+    opts, same = {}, saves_as(g, params, a_shape, rest, rng, policies or {})
+    by_program: dict[str, Any] = {STORE: backward}  # a policy saving everything is the stage stored
     for name, policy in (policies or {}).items():
-        gk = jax.checkpoint(g, policy=policy)
         # policies that save the same residuals here (dots_saveable and
         # dots_with_no_batch_dims_saveable on a stage without batched matmuls) are measured once
-        vjp = lambda p, x, r, k: jax.vjp(lambda p, x: gk(p, x, r, k), p, x)  # noqa: E731
-        program = str(jax.make_jaxpr(vjp)(params, a_shape, rest, rng))
-        if program not in by_program:
-            by_program[program] = backward_memory(gk, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
-        opts[name] = by_program[program]
+        if same[name] not in by_program:
+            gk = jax.checkpoint(g, policy=policy)
+            by_program[same[name]] = backward_memory(gk, params, a_shape, rest, rng, cot_shape, input_grad, scanned)
+        opts[name] = by_program[same[name]]
     ff, fbytes = _cost(fwd_c)
     bf, bb = _cost(bwd_c)
     fbf, fbb = _cost(fb_c)
@@ -230,7 +255,7 @@ def profile_stage(
     if scanned and not loop and same_shapes(out_shape, a_shape) and not is_sharded((params, a_shape)):
         # a layer of a loop (a Repeat's copy, a scanned stack's layer): its backwards' transients
         # as the loop runs them (the stacked gradient is the loop's, loop_costs)
-        inside = loop_transients(g, params, a_shape, rest, rng, {n: policies[n] for n in opts})
+        inside = loop_transients(g, params, a_shape, rest, rng, {n: policies[n] for n in opts}, same)
         bwd_tmp, fb_tmp = inside["store"], inside["checkpoint"]
         opts = {name: o._replace(tmp=inside[name]) for name, o in opts.items()}
     if loss is not None:

@@ -106,7 +106,8 @@ def loop_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: 
 
 
 def loop_transients(
-    g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, policies: dict[str, Callable]
+    g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any, policies: dict[str, Callable],
+    same: dict[str, str] | None = None,
 ) -> dict[str | None, int]:
     """A layer's backward transients as XLA runs them inside a loop, by how the layer is kept:
     ``"store"`` (nothing recomputed: ``B``'s), ``"checkpoint"`` (its input only: ``FB``'s) and
@@ -118,7 +119,13 @@ def loop_transients(
     decoder layer (width 128, 4 x 128 tokens) alone: 20.4 MiB for ``B``, 33.2 for ``FB``, 24.7
     under ``dots_with_no_batch_dims_saveable``; in a loop, 7.5, 10.8 and 7.8, so that the least
     loop schedule of a 24-layer stack was predicted at 70.3 MiB and measured at 34.5 (CPU,
-    2026-12-06)."""
+    2026-12-06).
+
+    ``same`` (:func:`~jaxremat.profiling.stage.saves_as`): per policy, ``"store"``, ``"checkpoint"``
+    or the program it makes: each program compiled once, whichever kinds make it (a layer whose
+    two policies save the same: 6 compiles, not 8; whose policies save nothing: 4).
+    """
+    same = same or {}
     kinds: dict[str | None, Any] = {"store": "store", "checkpoint": None, **policies}
 
     def temp(n: int, policy: Any) -> int:
@@ -135,13 +142,15 @@ def loop_transients(
         compiled = lowered.compile(compiler_options() or None)
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
-    jobs = [(n, policy) for policy in kinds.values() for n in (2, 4)]
+    program = {name: same.get(name, name) for name in kinds}
+    first = {p: name for name, p in reversed(program.items())}  # each program by its first kind
+    jobs = [(n, kinds[name]) for name in first.values() for n in (2, 4)]
     temps = iter(side_by_side(lambda job: temp(*job), jobs))
-    out = {}
-    for name in kinds:
+    measured = {}
+    for name in first.values():
         two, four = next(temps), next(temps)
-        out[name] = max(0, two - (four - two))  # T(n) = intercept + n * per-copy
-    return out
+        measured[name] = max(0, two - (four - two))  # T(n) = intercept + n * per-copy
+    return {name: measured[first[program[name]]] for name in kinds}
 
 
 def vjp_residual_bytes(g: Callable, params: Any, a_shape: Any, rest: Any, rng: Any) -> int:
