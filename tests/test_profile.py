@@ -465,3 +465,37 @@ def test_policies_that_save_everything_or_nothing_are_named_before_any_compile()
     assert same["dots"] not in (STORE, CHECKPOINT) and same["dots"] == same["dots2"]
     assert saves_as(dot_first, *args, policies)["dots"] == CHECKPOINT
     assert saves_as(dense_tanh, *args, {}) == {}
+
+
+class ConvBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.relu(nn.GroupNorm(num_groups=4)(nn.Conv(8, (3, 3))(x)))
+
+
+def test_programs_compiled_to_be_measured_measure_as_the_step_compiles(monkeypatch):
+    """The profile's programs are compiled with LLVM at its lowest level on the CPU (a third of
+    the compile time): every byte and flop of the profile, and a whole step's temp and flops, are
+    what the step's own options give."""
+    from jaxremat.core import compile as compile_options
+
+    assert compile_options.measuring_options(run=True) == compile_options.compiler_options()
+    chain = Chain.from_linen([ConvBlock(), ConvBlock(), nn.Dense(4)])
+    x = jnp.ones((2, 8, 8, 3))
+    v = chain.init(jax.random.key(0), x)
+
+    def step(v, x):
+        return jax.grad(lambda v: jnp.sum(chain.apply(v, x) ** 2))(v)
+
+    lowered = jax.jit(step).lower(v, x)
+
+    def measured() -> tuple:
+        c = lowered.compile(compile_options.measuring_options() or None)
+        cost = c.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        costs = profile(chain, v, x, method="xla", rates=RATES, cache=False)
+        return c.memory_analysis().temp_size_in_bytes, cost["flops"], costs
+
+    fast = measured()
+    monkeypatch.setattr(compile_options, "MEASURING_OPTIONS", {})
+    assert measured() == fast

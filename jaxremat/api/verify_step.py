@@ -12,7 +12,7 @@ import optax
 
 from jaxremat.api.calibrate import measured_loss, measured_optimizer
 from jaxremat.api.verify import Measured
-from jaxremat.core.compile import as_planned, compiler_options
+from jaxremat.core.compile import as_planned, measuring_options
 from jaxremat.core.schedule import Schedule
 from jaxremat.model.jaxpr_chain import JaxprChain
 from jaxremat.model.trees import sharding_of
@@ -33,7 +33,8 @@ def step_measure(
     traced: JaxprChain, flat: Sequence[Any], first: int, policies: Any = None
 ) -> Callable[[Schedule], Measured]:
     """``measure(schedule)``: XLA's temp bytes and flops of the training step under
-    ``schedule``, compiled as users compile it (:func:`~jaxremat.compiler_options`): the
+    ``schedule``, compiled as users compile it (:func:`~jaxremat.compiler_options`; never run, so
+    with :func:`~jaxremat.core.compile.measuring_options`, which leave its analyses as they are): the
     gradient of :func:`step_loss` with respect to the float leaves of the first argument (the
     parameters, as ``jax.grad``'s default ``argnums=0`` takes them; every float input if it has
     none), the first ``first`` of ``flat``, consumed by an Adam update with the parameters and
@@ -65,7 +66,7 @@ def step_measure(
         d, o = [shapes[n] for n in diff], [shapes[n] for n in other]
         state = jax.eval_shape(opt.init, d)
         compiled = (
-            jax.jit(as_planned(step), donate_argnums=(0, 1)).lower(d, state, o).compile(compiler_options() or None)
+            jax.jit(as_planned(step), donate_argnums=(0, 1)).lower(d, state, o).compile(measuring_options() or None)
         )
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxremat.core.compile import compiler_options
+from jaxremat.core.compile import measuring_options
 from jaxremat.model.cuts import holds_loop
 from jaxremat.model.stage import Stage
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
@@ -174,7 +174,8 @@ def profile_stage(
     params, rest = _split_params(abstract(variables))  # shapes only: works under a trace
     rng = jax.random.key(0)
     out_shape = jax.eval_shape(g, params, a_shape, rest, rng)
-    fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(compiler_options() or None)
+    timed = method == "measure"  # the forward and FB are run by the timing: compiled as the step is
+    fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(measuring_options(timed) or None)
     if is_sharded((params, a_shape)):  # on a mesh: the output (and its cotangent) as XLA lays it out
         out_shape = with_shardings(out_shape, fwd_c.output_shardings)
     cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_of(s)), out_shape)
@@ -195,6 +196,7 @@ def profile_stage(
     fb_c, fb_tmp, fb_reuse, held = fused_bytes(
         lambda p, x, r, k, c: pullback(p, x, r, k)(c), params, a_shape, rest, rng, cot_shape, reuse=cot_params,
         constants=[hlo_shape(s) for s in jax.tree.leaves((a_shape, params) if input_grad else params)],
+        run=timed,
     )
     if loop:
         # what its backward makes from constants is the zeros its loop stacks residuals into,

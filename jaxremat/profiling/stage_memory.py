@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jax_core
 
-from jaxremat.core.compile import barriers_survive, compiler_options
+from jaxremat.core.compile import barriers_survive, measuring_options
 from jaxremat.model.kernel_reads import orders_kernel_reads, reads_after_cotangent
 from jaxremat.model.stage import convolves
 from jaxremat.model.trees import is_sharded, tree_bytes, with_shardings
@@ -139,7 +139,7 @@ def loop_transients(
             return jax.vjp(lambda ps, x: lax.scan(layer, x, ps)[0], ps, x)[1](ct)
 
         lowered = jax.jit(backward).lower(stacked, a_shape, a_shape, rest, rng)
-        compiled = lowered.compile(compiler_options() or None)
+        compiled = lowered.compile(measuring_options() or None)
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     program = {name: same.get(name, name) for name in kinds}

@@ -16,14 +16,15 @@ from typing import Any, Callable, Collection, NamedTuple
 
 import jax
 
-from jaxremat.core.compile import compiler_options
+from jaxremat.core.compile import measuring_options
 from jaxremat.profiling.buffer_dump import BufferDump, _Slot, shape_bytes
 
 
-def compile_with_dump(fn: Callable, *args: Any, options: dict | None = None) -> tuple[Any, str]:
-    """Compile ``jax.jit(fn)(*args)`` with XLA's buffer dumps; return (compiled, dump folder)."""
+def compile_with_dump(fn: Callable, *args: Any, options: dict | None = None, run: bool = False) -> tuple[Any, str]:
+    """Compile ``jax.jit(fn)(*args)`` with XLA's buffer dumps; return (compiled, dump folder).
+    Compiled to be measured (:func:`~jaxremat.core.compile.measuring_options`) unless ``run``."""
     folder = tempfile.mkdtemp(prefix="jaxremat-xla-")
-    opts = {**compiler_options(), **(options or {}), "xla_dump_to": folder, "xla_dump_hlo_pass_re": ""}
+    opts = {**measuring_options(run), **(options or {}), "xla_dump_to": folder, "xla_dump_hlo_pass_re": ""}
     compiled = jax.jit(fn, keep_unused=True).lower(*args).compile(opts)  # parameter numbers = leaf order
     return compiled, folder
 
@@ -212,11 +213,11 @@ def constant_made_bytes(dump: BufferDump, outputs: Collection[str] = ()) -> int:
 
 
 def _compiled_and(
-    fn: Callable, args: tuple, read: Callable[[str], Any], options: dict | None = None
+    fn: Callable, args: tuple, read: Callable[[str], Any], options: dict | None = None, run: bool = False
 ) -> tuple[Any, Any]:
     """Compile ``fn`` with XLA's buffer dumps and return (compiled, ``read`` of its
-    :class:`BufferDump`)."""
-    compiled, folder = compile_with_dump(fn, *args, options=options)
+    :class:`BufferDump`); ``run``: the compiled program will also be run (timed)."""
+    compiled, folder = compile_with_dump(fn, *args, options=options, run=run)
     try:
         return compiled, read(BufferDump.read(folder))
     finally:
@@ -239,17 +240,20 @@ class FusedBytes(NamedTuple):
     held: int  # bytes made from constants alone (constant_made_bytes)
 
 
-def fused_bytes(fn: Callable, *args: Any, reuse: Collection[int], constants: Collection[str]) -> FusedBytes:
+def fused_bytes(
+    fn: Callable, *args: Any, reuse: Collection[int], constants: Collection[str], run: bool = False
+) -> FusedBytes:
     """Compile ``fn`` once and measure its transient bytes with and without the credit for an
     output written over the dying inputs ``reuse`` (entry parameter numbers), and what it makes
-    from constants alone (``constants``: output shapes, as for :func:`constant_made_bytes`)."""
+    from constants alone (``constants``: output shapes, as for :func:`constant_made_bytes`).
+    ``run``: the compiled program will also be timed (compiled as the step is)."""
 
     def read(dump: BufferDump) -> tuple[int, int, int]:
         got = transient_beyond_inputs(dump, False, reuse)
         plain = transient_beyond_inputs(dump, False, False)
         return got, max(0, plain - got), constant_made_bytes(dump, constants)
 
-    compiled, (got, saving, held) = _compiled_and(fn, args, read)
+    compiled, (got, saving, held) = _compiled_and(fn, args, read, run=run)
     return FusedBytes(compiled, got, saving, held)
 
 
