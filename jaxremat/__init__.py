@@ -28,6 +28,7 @@ from jaxremat.api import (
 from jaxremat.core.budgets import Budget, parse_budget, store_all_peak
 from jaxremat.core.compile import compiler_options, jit
 from jaxremat.core.costs import ChainCosts, Shared, StageOption
+from jaxremat.core.device import Device
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.core.simulator import simulate
 from jaxremat.core.units import format_bytes
@@ -43,6 +44,7 @@ __all__ = [
     "Budget",
     "Chain",
     "ChainCosts",
+    "Device",
     "InfeasibleBudget",
     "Plan",
     "RematChain",

@@ -36,7 +36,22 @@ def update_step(loss: Callable, args: tuple, has_aux: bool = False) -> tuple[int
     """XLA's temp bytes and flops of ``loss``'s training step as jaxremat verifies it: the
     gradient with respect to the first argument's float leaves, consumed by Adam, donated, the loss
     returned (as users log it)."""
-    opt = optax.adam(1e-3)
+    compiled = compiled_step(loss, args, has_aux)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return int(compiled.memory_analysis().temp_size_in_bytes), float(cost["flops"])
+
+
+def step_total(loss: Callable, args: tuple, optimizer: Any = None) -> int:
+    """What the compiled training step of ``loss`` uses in all: temporaries, arguments and outputs,
+    less the outputs written over donated arguments."""
+    m = compiled_step(loss, args, optimizer=optimizer).memory_analysis()
+    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def compiled_step(loss: Callable, args: tuple, has_aux: bool = False, optimizer: Any = None) -> Any:
+    """``loss``'s training step (:func:`update_step`), compiled; Adam unless ``optimizer``."""
+    opt = optimizer or optax.adam(1e-3)
     leaves, tree = jax.tree.flatten(args[0])
     floats = [
         n for n, leaf in enumerate(leaves) if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact)
@@ -52,10 +67,7 @@ def update_step(loss: Callable, args: tuple, has_aux: bool = False) -> tuple[int
         return value, optax.apply_updates(p, updates), state
 
     p0 = [leaves[n] for n in floats]
-    compiled = jr.jit(step, donate_argnums=(0, 1)).lower(p0, opt.init(p0), args[1:]).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return int(compiled.memory_analysis().temp_size_in_bytes), float(cost["flops"])
+    return jr.jit(step, donate_argnums=(0, 1)).lower(p0, opt.init(p0), args[1:]).compile()
 
 
 def wrap(block: Callable, hand: Any) -> Callable:

@@ -31,6 +31,7 @@ import jax
 
 from jaxremat.api.plans import VERSION, Plan, PlanOptions, plan_from_json
 from jaxremat.core.compile import compiler_options
+from jaxremat.core.device import Device
 from jaxremat.model.identity import closure_key
 from jaxremat.model.jaxpr_eval import jaxpr_text
 from jaxremat.profiling import cache as disk_cache
@@ -57,6 +58,17 @@ def _options_key(o: PlanOptions) -> list:
     ]
 
 
+def _budget_key(budget: Any) -> Any:
+    """A budget as a key: a :class:`~jaxremat.Device` by its size, headroom and optimizer (by its
+    functions' code and closed-over values: an Adam's learning rate is not its state's size, but
+    two optimizers of one class may hold different state)."""
+    if not isinstance(budget, Device):
+        return repr(budget)
+    opt = budget.optimizer
+    optimizer = None if opt is None else [closure_key(opt.init), closure_key(opt.update)]
+    return ["Device", budget.limit(), budget.headroom, optimizer]
+
+
 def plan_key(closed: Any, inputs: str, budget: Any, options: PlanOptions, cut: tuple) -> str:
     """The key of a plan for the traced function ``closed`` (``inputs``: its input signature as
     :class:`~jaxremat.RematFunction` keys it), ``budget``, ``options`` and ``cut`` (``stages``,
@@ -68,7 +80,7 @@ def plan_key(closed: Any, inputs: str, budget: Any, options: PlanOptions, cut: t
         PROFILE_VERSION,
         text,
         inputs,
-        repr(budget),
+        _budget_key(budget),
         _options_key(options),
         [repr(c) for c in cut],
         jax.__version__,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxremat.api import _loop_plans, plan_cache
+from jaxremat.api import _loop_plans, device_budget, plan_cache
 from jaxremat.api.planner import UNSET, plan_options, warn_if_global
 from jaxremat.api.plans import Plan, PlanOptions, SetupTime, make_plan, option_names, signature
 from jaxremat.api._cut_report import describe_cuts
@@ -28,6 +28,7 @@ from jaxremat.api.verify import Measured, verify
 from jaxremat.api.verify_step import step_measure
 from jaxremat.core.budgets import Budget, check_budget
 from jaxremat.core.costs import ChainCosts, Shared
+from jaxremat.core.device import Device
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical
 from jaxremat.model.identity import leaf_signature
@@ -99,7 +100,7 @@ class RematFunction:
             raise TypeError(f"jaxremat.remat needs a function, got {type(fun).__name__}")
         self.fun, self.stages, self.max_stages, self.options = fun, stages, max_stages, options
         self.user_remat = user_remat
-        self.budget = check_budget(budget)
+        self.budget = budget if isinstance(budget, Device) else check_budget(budget)
         self._costs: dict[str, ChainCosts] = {} if costs is None else costs  # shared with with_budget
         # the schedules verification compiled, by signature: shared with with_budget too, so that a
         # budget is met by a schedule measured for another (verify's ``earlier``)
@@ -186,18 +187,28 @@ class RematFunction:
             costs = with_shared(dataclasses.replace(costs, x=x), traced)
             self._costs[key] = costs
         t2 = time.perf_counter()
-        try:
-            plan = make_plan(traced.chain, variables, (), self.budget, self.options, costs, verified=False)
-        except InfeasibleBudget:
-            if not traced.chain.stacked or self.options.verify is False:
+        device = self.budget if isinstance(self.budget, Device) else None
+        # a device budget: the temporaries get what the step's arguments and outputs leave, as the
+        # shapes say, then as XLA's analysis of the verified step says where it holds more
+        held = device_budget.held_bytes(flat, first, device.optimizer) if device else 0
+        # the schedules compiled for other budgets were measured with this optimizer's state
+        earlier = self._measured.setdefault(key, {}) if not device or device.optimizer is None else {}
+        for _ in range(2 if device else 1):
+            budget = device_budget.temp_budget(device, held) if device else self.budget
+            measured_held: list[int] = []
+            try:
+                plan, t3 = self._solved(traced, costs, variables, budget), time.perf_counter()
+                plan = self._verified(plan, traced, costs, variables, flat, first, earlier, measured_held)
+            except InfeasibleBudget as e:
+                if device:
+                    raise device_budget.refusal(e, device, held) from None
                 raise
-            # a layer stack's loop memory is predicted pessimistically: below the predicted least,
-            # its least loop schedule is compiled, and verification decides (a 24-layer decoder's
-            # least was predicted at 37.1 MiB, measured at 34.5, below the hand "full" policy's 35.1)
-            least = _loop_plans.least_loop_plan(traced.chain, variables, costs, self.budget, self.options.max_period)
-            plan = Plan(least, signature(traced.chain, variables, ()))
-        t3 = time.perf_counter()
-        plan = self._verified(plan, traced, costs, variables, flat, first, self._measured.setdefault(key, {}))
+            if not device or max(measured_held, default=0) <= held:
+                break
+            held = max(measured_held)
+        if device:
+            asked = device_budget.describe(device, held)
+            plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, asked=asked))
         setup = SetupTime(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         note = describe_cuts(traced, len(static))
         sched = plan.schedule
@@ -210,6 +221,19 @@ class RematFunction:
         self._prepared[key] = found
         return found
 
+    def _solved(self, traced: JaxprChain, costs: ChainCosts, variables: list, budget: Any) -> Plan:
+        """The plan for ``budget`` (bytes, or as the user wrote it), not yet verified."""
+        try:
+            return make_plan(traced.chain, variables, (), budget, self.options, costs, verified=False)
+        except InfeasibleBudget:
+            if not traced.chain.stacked or self.options.verify is False:
+                raise
+            # a layer stack's loop memory is predicted pessimistically: below the predicted least,
+            # its least loop schedule is compiled, and verification decides (a 24-layer decoder's
+            # least was predicted at 37.1 MiB, measured at 34.5, below the hand "full" policy's 35.1)
+            least = _loop_plans.least_loop_plan(traced.chain, variables, costs, budget, self.options.max_period)
+            return Plan(least, signature(traced.chain, variables, ()))
+
     def _verified(
         self,
         plan: Plan,
@@ -219,9 +243,11 @@ class RematFunction:
         flat: list,
         first: int,
         earlier: dict,
+        held: list[int],
     ) -> Plan:
         """``plan`` checked by XLA (:func:`~jaxremat.api.verify.verify`), corrected if over;
-        ``earlier``: the schedules compiled for this signature at other budgets."""
+        ``earlier``: the schedules compiled for this signature at other budgets; ``held`` gets
+        what each compiled step holds in arguments and outputs."""
         o = self.options
         if o.verify is False or canonical(o.algorithm) in OFFLOAD_ALGORITHMS:
             return plan
@@ -236,12 +262,14 @@ class RematFunction:
         # hand strategy (the per-layer ones are among them; compiled flops count a loop's body once)
         # (from the profile's costs: a loop plan's own hold its loops' transients already)
         loops = _loop_plans.loop_candidates(chain, variables, profiled, o.max_period) if chain.stacked else None
-        compile_step = step_measure(traced, flat, first, o.named_policies)
+        optimizer = self.budget.optimizer if isinstance(self.budget, Device) else None
+        compile_step = step_measure(traced, flat, first, o.named_policies, optimizer)
         with progress(None, "verifying the plan", bool(o.profile_options.get("quiet"))) as advance:
             count = iter(range(1, 1000))
 
             def measure(schedule: Schedule) -> Measured:
                 measured = compile_step(schedule)
+                held.append(measured.held)
                 advance(f"the step compiled under {next(count)} schedule(s)")
                 return measured
 
@@ -287,7 +315,9 @@ def remat(
       fun: any JAX function (``loss(params, batch)``, a model's apply, ...). With the budget as
         the only argument (``@jaxremat.remat("50%")``) or ``fun`` left out, a decorator.
       budget: bytes, ``"512MiB"``, a share of the store-all peak (``"40%"``), or ``None`` for
-        the store-all peak.
+        the store-all peak: what the step's temporaries (activations, gradients) may use. Or
+        :class:`jaxremat.Device` (``Device("16GiB")``, ``Device("device")`` on a GPU): the whole
+        step, its parameters, optimizer state and inputs included, on that device.
       stages: how ``fun``'s equations are cut into stages: ``"auto"`` (the Flax module-scope
         depth with the most stages up to ``max_stages``, else ``checkpoint_name`` markers, else
         cuts before matmuls and convolutions where the fewest bytes cross), an int (a module

@@ -50,6 +50,9 @@ class Measured:
 
     peak: int
     flops: float
+    # what the step's arguments and outputs hold beyond what donation writes over (parameters,
+    # optimizer state, the batch): XLA's argument + output - alias bytes; 0 where not read
+    held: int = 0
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,15 @@ def step_loss(out: Sequence[Any]) -> jax.Array:
     return measured_loss(floats)
 
 
+def differentiated(flat: Sequence[Any], first: int) -> list[int]:
+    """The leaves of ``flat`` the step differentiates: the float leaves among the first ``first``
+    (the first argument's, as ``jax.grad``'s default ``argnums=0``), else every float leaf."""
+    floats = [n for n, s in enumerate(flat) if jnp.issubdtype(s.dtype, jnp.inexact)]
+    return [n for n in floats if n < first] or floats
+
+
 def step_measure(
-    traced: JaxprChain, flat: Sequence[Any], first: int, policies: Any = None
+    traced: JaxprChain, flat: Sequence[Any], first: int, policies: Any = None, optimizer: Any = None
 ) -> Callable[[Schedule], Measured]:
     """``measure(schedule)``: XLA's temp bytes and flops of the training step under
     ``schedule``, compiled as users compile it (:func:`~jaxremat.compiler_options`; never run, so
@@ -39,11 +46,11 @@ def step_measure(
     parameters, as ``jax.grad``'s default ``argnums=0`` takes them; every float input if it has
     none), the first ``first`` of ``flat``, consumed by an Adam update with the parameters and
     its state donated, so no gradient is an output (the step whose memory the profile counts,
-    :func:`~jaxremat.api.calibrate.update_step`)."""
-    floats = [n for n, s in enumerate(flat) if jnp.issubdtype(s.dtype, jnp.inexact)]
-    diff = [n for n in floats if n < first] or floats
+    :func:`~jaxremat.api.calibrate.update_step`). ``optimizer``: the update's (default Adam,
+    :func:`~jaxremat.api.calibrate.measured_optimizer`)."""
+    diff = differentiated(flat, first)
     other = [n for n in range(len(flat)) if n not in diff]
-    opt = measured_optimizer()
+    opt = optimizer or measured_optimizer()
 
     def measure(schedule: Schedule) -> Measured:
         forward = execute(traced.chain, schedule, policies=policies)
@@ -70,9 +77,11 @@ def step_measure(
         )
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        return Measured(int(compiled.memory_analysis().temp_size_in_bytes), float((cost or {}).get("flops", 0.0)))
+        mem = compiled.memory_analysis()
+        held = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+        return Measured(int(mem.temp_size_in_bytes), float((cost or {}).get("flops", 0.0)), int(held))
 
     return measure
 
 
-__all__ = ["step_loss", "step_measure"]
+__all__ = ["differentiated", "step_loss", "step_measure"]

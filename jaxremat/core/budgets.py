@@ -12,12 +12,13 @@ import re
 from typing import Union
 
 from jaxremat.core.costs import ChainCosts
+from jaxremat.core.device import Device
 from jaxremat.core.ops import store_all_ops
 from jaxremat.core.simulator import simulate
 from jaxremat.core.units import BUDGET_FORMS, format_bytes, parse_bytes
 
 #: What a budget may be: bytes, a string with a unit or a share (``"40%"``), or ``None``.
-Budget = Union[int, float, str, None]
+Budget = Union[int, float, str, Device, None]
 
 _PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
@@ -39,6 +40,11 @@ def check_budget(budget: Budget) -> Budget:
     not at the first call after tracing and profiling."""
     if budget is None:
         return budget
+    if isinstance(budget, Device):
+        raise ValueError(
+            f"{budget!r}: a device budget is for jaxremat.remat, which compiles the whole training step; "
+            "here give the activations' bytes ('512MiB') or a share of the store-all peak ('40%')"
+        )
     if is_share(budget):
         if float(_PERCENT.match(budget).group(1)) <= 0:
             raise ValueError(f"budget {budget!r}: a share of the store-all peak must be above 0% ('40%')")
