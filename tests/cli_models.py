@@ -10,3 +10,9 @@ def mixer():
 
 def resnet():
     return models.resnet(blocks=(1, 1), width=8)
+
+
+def mlp():
+    import flax.linen as nn
+
+    return nn.Sequential([nn.Dense(64), nn.gelu, nn.Dense(64), nn.gelu, nn.Dense(8)])

@@ -1,4 +1,4 @@
-"""The ``jaxremat`` command line: ``plan``, ``bench`` and ``demo``.
+"""The ``jaxremat`` command line: ``plan``, ``bench``, ``fit`` and ``demo``.
 
 Models are named either by a built-in name (``resnet``, ``gpt``, ``autoencoder``, ``mixer``; see
 :mod:`jaxremat.models`) or by ``PKG.MODULE:FACTORY``, where ``FACTORY`` is a Flax model (an
@@ -210,6 +210,36 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(f"results written under {out}/")
 
 
+def cmd_fit(args: argparse.Namespace) -> None:
+    from jaxremat.core.device import Device
+    from jaxremat.tools.fit import fit, model_strategies, write_json
+
+    model, shape, dtype = load_model(args.model)
+    shape = parse_shape(args.input_shape) if args.input_shape else shape
+    if shape is None:
+        raise UsageError(f"--input-shape is needed for {args.model} (e.g. --input-shape 16,32,32,3)")
+    axes = {"batch": 0, "sequence": 1}
+    axis = axes.get(args.axis, int(args.axis) if args.axis.isdigit() else -1)
+    if not 0 <= axis < len(shape):
+        raise UsageError(f"--axis {args.axis!r}: give batch, sequence or a dimension of the input (0-{len(shape) - 1})")
+    lo, _, hi = args.range.partition(":")
+    if not (lo.isdigit() and hi.isdigit()):
+        raise UsageError(f"--range {args.range!r}: give the smallest and largest sizes as LO:HI, e.g. 8:1024")
+    device = Device(args.memory, headroom=args.headroom)
+    strategies = model_strategies(model, shape, args.dtype or dtype, axis)
+    result = fit(strategies, device, sizes=(int(lo), int(hi)), model=args.model, axis=args.axis,
+                 steps=args.steps, time_all=args.curve, quiet=args.quiet)
+    print(f"{args.model}: the largest {args.axis} in {device.describe()} ({result.usable:,} bytes usable)\n")
+    print(result.table())
+    if args.json:
+        write_json(result, args.json)
+        print(f"\nwritten to {args.json}")
+    if args.plot:
+        from jaxremat.tools.plots import plot_fit
+
+        print(f"plot written to {plot_fit(result, args.plot)}")
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from jaxremat.tools.demo import run_demo
 
@@ -293,6 +323,27 @@ def parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     b.set_defaults(run=cmd_bench)
+
+    f = sub.add_parser(
+        "fit",
+        help="the largest batch (or other input size) that fits a device, per strategy, and its speed",
+        description="Find, by bisection on XLA-measured compiles, the largest size of an input axis whose "
+        "training step fits the memory under no remat, each hand-written jax.checkpoint strategy and "
+        "jaxremat, and time each there.",
+    )
+    f.add_argument("--model", required=True, help=f"built-in ({', '.join(SAMPLES)}) or PKG.MODULE:FACTORY")
+    f.add_argument("--memory", required=True, help="the device's memory: '16GiB', '24GB', bytes, or 'device' (GPU)")
+    f.add_argument("--axis", default="batch", help="batch (default), sequence, or an input dimension's index")
+    f.add_argument("--range", default="8:1024", help="smallest and largest sizes to try, LO:HI (default 8:1024)")
+    f.add_argument("--headroom", type=float, default=0.05, help="share of the memory kept free (default 0.05)")
+    f.add_argument("--input-shape", help="input shape at any size, e.g. 16,32,32,3 (built-in models have one)")
+    f.add_argument("--dtype", help="input dtype (default float32; the built-in gpt takes int32)")
+    f.add_argument("--steps", type=int, default=5, help="timed steps per strategy (default 5; 0: no timing)")
+    f.add_argument("--curve", action="store_true", help="time every size tried that fits, not only the largest")
+    f.add_argument("--json", metavar="FILE.json", help="also write the results as JSON")
+    f.add_argument("--plot", metavar="FILE.png", help="also write memory and throughput against size")
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
+    f.set_defaults(run=cmd_fit)
 
     d = sub.add_parser(
         "demo",

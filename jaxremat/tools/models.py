@@ -113,6 +113,44 @@ def gpt(
     return nn.Sequential([Embed(vocab, width), *body, LMHead(vocab)])
 
 
+#: The ``remat`` settings of :class:`ScanDecoder`, as MaxText's ``remat_policy`` names its
+#: choices: ``None`` no remat, ``"full"`` a plain ``nn.remat``, else a ``jax.checkpoint_policies`` name.
+SCAN_REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+class _ScanBody(nn.Module):
+    width: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        return DecoderBlock(self.width, self.heads)(x), None
+
+
+class ScanDecoder(nn.Module):
+    """:func:`gpt` written as large JAX models are: its blocks one ``nn.scan`` over stacked
+    parameters, with the user's own ``nn.remat`` around the scanned block when ``remat`` (one of
+    :data:`SCAN_REMAT`) says so. Input: integer tokens ``(B, T)``."""
+
+    blocks: int = 12
+    width: int = 128
+    heads: int = 4
+    vocab: int = 512
+    remat: str = "none"
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        if self.remat not in SCAN_REMAT:
+            raise ValueError(f"ScanDecoder: remat must be one of {SCAN_REMAT}, got {self.remat!r}")
+        body: Any = _ScanBody
+        if self.remat != "none":
+            policy = None if self.remat == "full" else getattr(jax.checkpoint_policies, self.remat)
+            body = nn.remat(body, policy=policy, prevent_cse=False)  # inside a scan, as MaxText writes it
+        scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.blocks)
+        x, _ = scan(self.width, self.heads, name="layers")(Embed(self.vocab, self.width)(tokens), None)
+        return LMHead(self.vocab)(x)
+
+
 # -- a strongly heterogeneous chain: a convolutional autoencoder ------------------------------------
 
 
@@ -197,6 +235,7 @@ SAMPLES: dict[str, tuple[Callable[..., nn.Module], tuple[int, ...], str]] = {
     "gpt": (gpt, (4, 128), "int32"),
     "autoencoder": (autoencoder, (8, 64, 64, 3), "float32"),
     "mixer": (mixer, (16, 32, 32, 3), "float32"),
+    "scan_decoder": (ScanDecoder, (4, 128), "int32"),
 }
 
 

@@ -10,6 +10,7 @@ from jaxremat.solvers import pareto
 
 if TYPE_CHECKING:
     from jaxremat.tools.compare import Comparison
+    from jaxremat.tools.fit import Fit
 
 MIB = 2.0**20
 
@@ -108,5 +109,33 @@ def plot_comparison(cmp: "Comparison", path: str | Path) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_fit(result: "Fit", path: str | Path) -> Path:
+    """Two panels per strategy against the input size: the step's memory as XLA measured it, the
+    device's usable memory drawn as a line; and the samples per second where the step was timed
+    (each strategy's largest size that fits, or every size with ``time_all``)."""
+    plt = _pyplot()
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for row in result.rows:
+        style = "-o" if row.strategy == "jaxremat" else "--."
+        width = 2.2 if row.strategy == "jaxremat" else 1.0
+        sizes = [s for s, _, _ in row.curve]
+        (line,) = mem.plot(sizes, [b / MIB for _, b, _ in row.curve], style, lw=width, ms=4, label=row.strategy)
+        timed = [(s, s / t) for s, _, t in row.curve if t == t]
+        if timed:
+            speed.plot(*zip(*timed), style, lw=width, ms=6, color=line.get_color(), label=row.strategy)
+    mem.axhline(result.usable / MIB, color="k", lw=1.2, label=f"usable memory ({result.usable / MIB:.0f} MiB)")
+    for ax, label in ((mem, "step memory, XLA (MiB)"), (speed, "samples per second")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(result.axis)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    mem.legend(fontsize=7)
+    fig.suptitle(f"{result.model}: the largest {result.axis} in {result.limit / MIB:.0f} MiB, per strategy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
