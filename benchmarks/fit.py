@@ -4,11 +4,13 @@ For the built-in ResNet, GPT (12 blocks in an ``nn.Sequential``) and the scanned
 GPT with its blocks one ``nn.scan``, the hand strategies its own ``nn.remat`` policies as MaxText
 writes them), at three memory limits on the CPU: :func:`jaxremat.tools.fit.fit` finds each
 strategy's largest batch by bisection on XLA-measured compiles of the whole training step (Adam,
-donated; 5% headroom) and times it there; jaxremat is ``jaxremat.remat(loss, jaxremat.Device(m))``.
-Goal: at every limit, jaxremat's largest batch at least the largest of the hand strategies, and its
-throughput there at least the best hand strategy's at its largest batch.
+donated; 5% headroom) and times it there; jaxremat is ``jaxremat.remat(loss, jaxremat.Device(m))``,
+timed at every batch it fits. Goal: at every limit, jaxremat's largest batch at least the largest
+of the hand strategies, and its throughput there at least the best hand strategy's at its largest
+batch. Also given: jaxremat's throughput at that hand strategy's batch.
 
-    python benchmarks/fit.py [model ...]
+    python benchmarks/fit.py [model ...]     # the run (all models: writes the results)
+    python benchmarks/fit.py --render        # fit.md again from fit.json
 
 Writes ``benchmarks/results/fit.md``, ``fit.json`` and ``fit.png`` (the GPT at its middle limit).
 CPU, ``cse_barrier_expander`` off.
@@ -39,11 +41,61 @@ CASES = {
     "gpt": ((4, 128), "int32", (1, 32), ("64MiB", "96MiB", "160MiB")),
     "scan_decoder": ((4, 128), "int32", (1, 32), ("64MiB", "96MiB", "160MiB")),
 }
+MIB = 2**20
+
+
+def summary(rec: dict) -> str:
+    """One row of the goal table from a :meth:`~jaxremat.tools.fit.Fit.to_json` record."""
+    rows = {r["strategy"]: r for r in rec["rows"]}
+    mine = rows.pop(JAXREMAT)
+    fitting = [r for r in rows.values() if r["size"]]
+    best = max(fitting, key=lambda r: (r["size"], r["throughput"] if r["throughput"] == r["throughput"] else 0))
+    at = {size: size / t for size, _, t in mine["curve"] if t == t}
+    same = at.get(best["size"], float("nan"))
+    bigger = (mine["size"] or 0) >= best["size"]
+    faster = mine["throughput"] >= best["throughput"]
+    return (
+        f"| {rec['model']} | {rec['limit'] / MIB:.0f} MiB | {best['strategy']}: {best['size']}, "
+        f"{best['throughput']:.1f}/s | {mine['size']}, {mine['throughput']:.1f}/s | {same:.1f}/s | "
+        f"{'yes' if bigger else 'no'} | {'yes' if faster else 'no'} |"
+    )
+
+
+def render(records: list[dict], date: str) -> str:
+    head = [
+        "# The largest batch that fits, per strategy",
+        "",
+        f"`python benchmarks/fit.py` ({date}, CPU (2 cores), jax {jax.__version__}, 5% headroom, Adam; "
+        "each step timed 3 times after one untimed, the median). The largest batch is found by bisection on "
+        "XLA-measured compiles of the whole step; samples per second at that batch.",
+        "",
+        "| model | memory | best hand strategy: largest batch, samples/s | jaxremat: largest batch, samples/s "
+        "| jaxremat at their batch | batch at least theirs | throughput at least theirs |",
+        "|---|---|---|---|---|---|---|",
+        *[summary(rec) for rec in records],
+        "",
+        "Per model and limit, every strategy (`fit.json` has every size tried, XLA's memory at each and the "
+        "times; `fit.png` the GPT at 96 MiB):",
+        "",
+    ]
+    tables = []
+    for rec in records:
+        lines = [f"| {r['strategy']} | {r['size']} | {r['used'] / MIB:.2f} MiB | {r['throughput']:.1f} |"
+                 for r in rec["rows"]]
+        tables += [f"### {rec['model']}, {rec['limit'] / MIB:.0f} MiB ({rec['usable'] / MIB:.1f} usable)", "",
+                   "| strategy | largest batch | step memory (XLA) | samples/s |", "|---|---|---|---|", *lines, ""]
+    return "\n".join(head + tables)
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--render"]:
+        records = json.loads((OUT / "fit.json").read_text())
+        text = (OUT / "fit.md").read_text()
+        date = text.split("`python benchmarks/fit.py` (")[1].split(",")[0]
+        (OUT / "fit.md").write_text(render(records, date))
+        return
     names = sys.argv[1:] or list(CASES)
-    rows, records = [], []
+    records = []
     for name in names:
         shape, dtype, sizes, limits = CASES[name]
         factory = models.SAMPLES[name][0]
@@ -51,45 +103,13 @@ def main() -> None:
             result = fit(model_strategies(factory(), shape, dtype), jr.Device(memory), sizes=sizes, model=name,
                          steps=3, quiet=True)
             records.append(result.to_json())
-            mine, best = result.row(JAXREMAT), result.best_hand()
-            bigger = best is None or (mine.size or 0) >= best.size
-            faster = best is None or (mine.throughput == mine.throughput and mine.throughput >= best.throughput)
-            hand = f"{best.strategy}: {best.size}, {best.throughput:.1f}/s" if best else "none fits"
-            rows.append(
-                f"| {name} | {memory} | {hand} | {mine.size or 'none'}, {mine.throughput:.1f}/s | "
-                f"{'yes' if bigger else 'no'} | {'yes' if faster else 'no'} |"
-            )
-            print(rows[-1], flush=True)
+            print(summary(records[-1]), flush=True)
             print(result.table(), flush=True)
             if name == "gpt" and memory == limits[1]:
                 plot_fit(result, OUT / "fit.png")
-    if sys.argv[1:]:
-        return
-    text = "\n".join([
-        "# The largest batch that fits, per strategy",
-        "",
-        f"`python benchmarks/fit.py` ({datetime.date.today()}, CPU, jax {jax.__version__}, 5% headroom, Adam, "
-        "steps timed 3 times after one untimed, median). Largest batch found by bisection on XLA-measured "
-        "compiles of the whole step; samples per second at that batch.",
-        "",
-        "| model | memory | best hand strategy: largest batch, samples/s | jaxremat: largest batch, samples/s "
-        "| batch at least theirs | throughput at least theirs |",
-        "|---|---|---|---|---|---|",
-        *rows,
-        "",
-        "Per model and limit, every strategy (`benchmarks/results/fit.json` has the sizes tried, the memory "
-        "XLA measured at each and the times):",
-        "",
-    ])
-    tables = []
-    for rec in records:
-        head = f"### {rec['model']}, {rec['limit'] / 2**20:.0f} MiB ({rec['usable'] / 2**20:.1f} usable)"
-        lines = [f"| {r['strategy']} | {r['size']} | {r['used'] / 2**20:.2f} MiB | {r['throughput']:.1f} |"
-                 for r in rec["rows"]]
-        tables.append("\n".join([head, "", "| strategy | largest batch | step MiB | samples/s |",
-                                 "|---|---|---|---|", *lines, ""]))
-    (OUT / "fit.md").write_text(text + "\n".join(tables))
-    (OUT / "fit.json").write_text(json.dumps(records, indent=1))
+    if not sys.argv[1:]:
+        (OUT / "fit.json").write_text(json.dumps(records, indent=1))
+        (OUT / "fit.md").write_text(render(records, str(datetime.date.today())))
 
 
 if __name__ == "__main__":

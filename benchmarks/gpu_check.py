@@ -17,6 +17,10 @@ wrong gradients on GPUs before). Prints a short table last and writes it to
 ``benchmarks/results/gpu_check.md`` with the card and date, rewritten after each model so that a
 run stopped from outside keeps what it measured.
 
+Last, the GPT's largest batch in the whole device (``jaxremat.tools.fit``, ``jr.Device("device")``:
+the allocator's limit, 5% headroom) under no remat, its hand strategies and jaxremat, by bisection
+on compiles, and the samples per second each trains at there (a table of its own).
+
 A lent GPU's time is short: ``--deadline`` (seconds from the start, default 420) stops starting
 new profiles and compilations once passed; the strategies left out are listed under the table,
 and what was compiled is still run and timed.
@@ -63,6 +67,9 @@ TINY = {
     "GPT-style tiny": (gpt, dict(blocks=2, width=32, heads=2, vocab=64), (2, 16), "int32"),
     "ResNet-style tiny": (resnet, dict(blocks=(1, 1), width=8, classes=10), (2, 8, 8, 3), "float32"),
 }
+#: The batches the fit searches (GPU; ``--tiny``: the second) and its strategies.
+FIT_SIZES = ((1, 64), (1, 4))
+FIT_STRATEGIES = ("no remat", "remat every block", "policy dots_saveable", "policy dots_with_no_batch_dims_saveable")
 MANUAL = (
     "no remat",
     "remat every block",
@@ -312,7 +319,28 @@ def scanned(label: str, kwargs: dict, shape: tuple, dtype: str, calls: int, cloc
     return measure(label + " (nn.scan, as MaxText writes it)", points, params, tokens, calls)
 
 
-def render(rows: list[list[str]], card: str, clock: Clock, tiny: bool) -> str:
+def fit_table(label: str, kwargs: dict, shape: tuple, dtype: str, calls: int, clock: Clock, tiny: bool) -> str:
+    """The GPT's largest batch per strategy in the device's memory (on the CPU, ``--tiny``: in the
+    no-remat step's memory at batch 2), and its samples per second there: a markdown section."""
+    from jaxremat.tools.fit import fit, model_strategies, step_bytes  # noqa: PLC0415
+
+    if clock.late(f"{label}: the largest batch"):
+        return ""
+    every = model_strategies(gpt(**kwargs), shape, dtype)
+    strategies = {name: every[name] for name in FIT_STRATEGIES}
+    if tiny:
+        memory = jr.Device(step_bytes(*strategies["no remat"](2), jr.api.calibrate.measured_optimizer()), 0.0)
+    else:
+        memory = jr.Device("device")
+    result = fit(strategies, memory, sizes=FIT_SIZES[tiny], model=label, steps=min(calls, 5), quiet=True)
+    clock.log(f"fit: {result.row('jaxremat').size} for jaxremat")
+    return "\n".join([
+        "", f"## {label}: the largest batch in {jr.format_bytes(result.limit)} "
+        f"({jr.format_bytes(result.usable)} usable), per strategy", "", result.table(),
+    ])
+
+
+def render(rows: list[list[str]], card: str, clock: Clock, tiny: bool, extra: tuple[str, ...] = ()) -> str:
     """The results file: the table, the command and what the deadline left out."""
     head = [
         "model",
@@ -338,6 +366,7 @@ def render(rows: list[list[str]], card: str, clock: Clock, tiny: bool) -> str:
         "|" + "---|" * len(head),
         *["| " + " | ".join(r) + " |" for r in rows],
     ]
+    lines += list(extra)
     if clock.skipped:
         lines += ["", "Left out at the deadline: " + "; ".join(clock.skipped) + "."]
     if clock.failed:
@@ -378,11 +407,15 @@ def main(argv: list[str] | None = None) -> str:
     runs = [(label, check, m) for label, m in models]
     runs += [(label, scanned, m) for label, m in models if m[0] is gpt]
     runs += [(label, stacked_offload, m) for label, m in models if m[0] is gpt]
+    runs += [(label, fit_table, m) for label, m in models if m[0] is gpt]
+    extra: list[str] = []
     for label, run, (factory, kwargs, shape, dtype) in runs:
         print(f"{label}{'' if run is check else f' ({run.__name__})'} ...", flush=True)
         try:
             if run is check:
                 rows += check(label, factory, kwargs, shape, dtype, args.calls, clock)
+            elif run is fit_table:
+                extra.append(fit_table(label, kwargs, shape, dtype, args.calls, clock, args.tiny))
             else:
                 rows += run(label, kwargs, shape, dtype, args.calls, clock)
         except Exception as e:  # noqa: BLE001 - a lent GPU's minutes are few: the next model still runs
@@ -390,7 +423,7 @@ def main(argv: list[str] | None = None) -> str:
                 raise
             traceback.print_exc()
             clock.failed.append(f"{label}{'' if run is check else f' ({run.__name__})'}: {type(e).__name__}: {e}")
-        text = render(rows, card, clock, args.tiny)
+        text = render(rows, card, clock, args.tiny, tuple(extra))
         if not args.no_write and not args.tiny:
             args.out.write_text(text)  # after each model: a run stopped from outside keeps what it measured
     print(text)
