@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -145,17 +146,41 @@ def step_bytes(loss: Callable, args: tuple, optimizer: optax.GradientTransformat
     return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
 
-def step_seconds(loss: Callable, args: tuple, optimizer: optax.GradientTransformation, steps: int = 5) -> float:
-    """The median wall time of ``steps`` training steps, after one untimed."""
-    run = jax.jit(training_step(loss, optimizer), donate_argnums=(0, 1), compiler_options=compiler_options() or None)
-    params, state = jax.tree.map(jnp.copy, args[0]), optimizer.init(args[0])
-    _, params, state = jax.block_until_ready(run(params, state, *args[1:]))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        _, params, state = jax.block_until_ready(run(params, state, *args[1:]))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class StepTimer:
+    """A compiled training step of ``loss`` and the parameters and state it carries from call to
+    call (it donates them): :meth:`run` times calls of it."""
+
+    def __init__(self, loss: Callable, args: tuple, optimizer: optax.GradientTransformation):
+        options = compiler_options() or None
+        self._run = jax.jit(training_step(loss, optimizer), donate_argnums=(0, 1), compiler_options=options)
+        self._params, self._state = jax.tree.map(jnp.copy, args[0]), optimizer.init(args[0])
+        self._rest = args[1:]
+        self.times: list[float] = []
+        self._call()  # compiled and warm before any timing
+
+    def _call(self) -> None:
+        _, self._params, self._state = jax.block_until_ready(self._run(self._params, self._state, *self._rest))
+
+    def run(self, calls: int) -> None:
+        """Time ``calls`` calls, after one untimed."""
+        self._call()
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            self._call()
+            self.times.append(time.perf_counter() - t0)
+
+
+def time_steps(timers: Sequence[StepTimer], calls: int, rounds: int = 3) -> list[float]:
+    """The median step time of each of ``timers``, timed in ``rounds`` interleaved rounds (each a
+    new shuffled order, ``calls`` calls of each), so that a slow spell of the machine falls on every
+    strategy alike (timed one after another, 3 calls each, right after its compile, a GPT's
+    ``remat every block`` and jaxremat's plan at batch 6 measured 1.29x apart; timed again, 10
+    calls each, within 3% of each other; CPU, 2026-12-06)."""
+    order = random.Random(0)
+    for _ in range(rounds):
+        for timer in order.sample(list(timers), len(timers)):
+            timer.run(calls)
+    return [statistics.median(t.times) for t in timers]
 
 
 def fit(
@@ -179,8 +204,8 @@ def fit(
       sizes: ``(lo, hi)``: the range searched (:func:`size_grid`).
       plain: the strategy without remat: jaxremat plans its loss under ``memory``
         (``jaxremat.remat(loss, Device)``), a row of its own named ``"jaxremat"``.
-      steps: timed steps at each strategy's largest size, and at every size jaxremat fits (0: no
-        timing).
+      steps: timed steps per round (3 interleaved rounds) at each strategy's largest size, and at
+        every size jaxremat fits (0: no timing).
       time_all: time every size tried that fits, not only the largest (a throughput curve).
 
     Raises:
@@ -220,19 +245,29 @@ def fit(
             advance(f"{name} at {axis} {size}: {format_bytes(used[name, size])}")
             return used[name, size] <= usable
 
+        found = {name: largest(lambda s: fits(name, s), grid) for name in names}
+        # what is timed: each strategy's largest size, and every size jaxremat fits (its largest
+        # is planned the tightest), or every size that fits with time_all
+        chosen = [
+            (n, s) for (n, s), b in used.items()
+            if steps and 0 <= b <= usable and (time_all or n == JAXREMAT or s == found[n])
+        ]
+        seconds = {}
+        if jax.default_backend() == "cpu":  # all held at once: interleaved
+            timers = []
+            for n, s in chosen:
+                timers.append(StepTimer(*loss_and_args(n, s), optimizer))
+                advance(f"{n} compiled to be timed at {axis} {s}")
+            seconds = dict(zip(chosen, time_steps(timers, steps)))
+        else:  # each fills the device: one at a time, its buffers freed before the next
+            for n, s in chosen:
+                seconds[n, s] = time_steps([StepTimer(*loss_and_args(n, s), optimizer)], steps)[0]
+                advance(f"{n} timed at {axis} {s}")
         for name in names:
-            found = largest(lambda s: fits(name, s), grid)
-            curve = []
-            for size in sorted(s for (n, s) in used if n == name):
-                # jaxremat at every size that fits: its largest is planned the tightest
-                every = time_all or name == JAXREMAT
-                timed = steps and used[name, size] <= usable and (every or size == found)
-                seconds = step_seconds(*loss_and_args(name, size), optimizer, steps) if timed else math.nan
-                curve.append((size, used[name, size], seconds))
-                advance(f"{name} timed at {axis} {size}")
-            at = found if found is not None else grid[0]
-            step_s = next((t for s, _, t in curve if s == found), math.nan)
-            rows.append(FitRow(name, found, used.get((name, at), -1), step_s, tuple(curve)))
+            curve = tuple((s, b, seconds.get((n, s), math.nan)) for (n, s), b in sorted(used.items()) if n == name)
+            at = found[name] if found[name] is not None else grid[0]
+            step_s = seconds.get((name, found[name]), math.nan)
+            rows.append(FitRow(name, found[name], used.get((name, at), -1), step_s, curve))
     result = Fit(model, axis, device.limit(), usable, grid, tuple(rows))
     if all(r.size is None for r in rows):
         raise InfeasibleBudget(
@@ -310,5 +345,5 @@ def write_json(result: Fit, path: str) -> None:
 
 __all__ = [
     "Fit", "FitRow", "JAXREMAT", "Strategy", "fit", "largest", "model_strategies", "size_grid", "step_bytes",
-    "step_seconds", "write_json",
+    "StepTimer", "time_steps", "write_json",
 ]
