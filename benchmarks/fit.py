@@ -51,12 +51,12 @@ def summary(rec: dict) -> str:
     fitting = [r for r in rows.values() if r["size"]]
     best = max(fitting, key=lambda r: (r["size"], r["throughput"] if r["throughput"] == r["throughput"] else 0))
     at = {size: size / t for size, _, t in mine["curve"] if t == t}
-    same = at.get(best["size"], float("nan"))
+    same = f"{at[best['size']]:.1f}/s" if best["size"] in at else "not tried"
     bigger = (mine["size"] or 0) >= best["size"]
     faster = mine["throughput"] >= best["throughput"]
     return (
         f"| {rec['model']} | {rec['limit'] / MIB:.0f} MiB | {best['strategy']}: {best['size']}, "
-        f"{best['throughput']:.1f}/s | {mine['size']}, {mine['throughput']:.1f}/s | {same:.1f}/s | "
+        f"{best['throughput']:.1f}/s | {mine['size']}, {mine['throughput']:.1f}/s | {same} | "
         f"{'yes' if bigger else 'no'} | {'yes' if faster else 'no'} |"
     )
 
@@ -66,7 +66,7 @@ def render(records: list[dict], date: str) -> str:
         "# The largest batch that fits, per strategy",
         "",
         f"`python benchmarks/fit.py` ({date}, CPU (2 cores), jax {jax.__version__}, 5% headroom, Adam; "
-        "each step timed 3 times after one untimed, the median). The largest batch is found by bisection on "
+        "steps timed in 3 interleaved rounds of 3 calls, the median). The largest batch is found by bisection on "
         "XLA-measured compiles of the whole step; samples per second at that batch.",
         "",
         "| model | memory | best hand strategy: largest batch, samples/s | jaxremat: largest batch, samples/s "

@@ -36,6 +36,7 @@ from jaxremat.model import Chain, Repeat
 from jaxremat.profiling.profiler import profile
 from jaxremat.run import execute
 from jaxremat.solvers import ALGORITHMS, min_budget, pareto, solve
+from jaxremat.tools.fit import fit
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,7 @@ __all__ = [
     "StageOption",
     "compiler_options",
     "execute",
+    "fit",
     "format_bytes",
     "jit",
     "load_plan",

@@ -70,3 +70,12 @@ def test_too_small_a_device_names_the_least_memory_and_the_cli_writes_json_and_a
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["fit", "--model", "gpt", "--memory", "1GiB", "--axis", "depth"]) == 2
     assert "--axis 'depth'" in capsys.readouterr().err
+
+
+def test_jr_fit_takes_a_model_and_its_input_shape():
+    with pytest.raises(ValueError, match="input_shape"):
+        jr.fit(mlp(), "1GiB")
+    with pytest.raises(ValueError, match="axis"):
+        jr.fit(mlp(), "1GiB", input_shape=(2, 4), axis="depth")
+    result = jr.fit(mlp(), jr.Device("8MiB", headroom=0.0), input_shape=(2, 8, 64), sizes=(2, 3), steps=0, quiet=True)
+    assert result.axis == "batch" and result.row(JAXREMAT).size == 3

@@ -184,12 +184,14 @@ def time_steps(timers: Sequence[StepTimer], calls: int, rounds: int = 3) -> list
 
 
 def fit(
-    strategies: dict[str, Strategy],
+    strategies: Any,
     memory: Device | int | str,
     *,
+    input_shape: Sequence[int] | None = None,
+    dtype: str = "float32",
     sizes: tuple[int, int] = (1, 1024),
     model: str = "model",
-    axis: str = "batch",
+    axis: str | int = "batch",
     plain: str = "no remat",
     steps: int = 5,
     time_all: bool = False,
@@ -198,8 +200,10 @@ def fit(
     """The largest size of ``axis`` that fits ``memory`` under each strategy, and its speed.
 
     Args:
-      strategies: name -> ``make(size) -> (loss, args)``, the model's training loss at ``size``
-        written with that strategy's remat (:func:`model_strategies` makes them for a Flax model).
+      strategies: a Flax linen model (its strategies are :func:`model_strategies`', its input
+        ``input_shape`` and ``dtype``, ``axis`` ``"batch"`` the first dimension, ``"sequence"``
+        the second), or name -> ``make(size) -> (loss, args)``: the model's training loss at
+        ``size`` written with that strategy's remat.
       memory: a :class:`~jaxremat.Device`, or its size (``"16GiB"``; 5% headroom).
       sizes: ``(lo, hi)``: the range searched (:func:`size_grid`).
       plain: the strategy without remat: jaxremat plans its loss under ``memory``
@@ -212,6 +216,14 @@ def fit(
       InfeasibleBudget: even the smallest size fits under no strategy; it names the least memory
         XLA measured for it.
     """
+    if not isinstance(strategies, dict):
+        if input_shape is None:
+            raise ValueError("jaxremat.fit(model, memory, input_shape=...): a model needs its input's shape")
+        index = {"batch": 0, "sequence": 1}.get(axis, axis)
+        if not isinstance(index, int):
+            raise ValueError(f"jaxremat.fit: axis is 'batch', 'sequence' or an input dimension, got {axis!r}")
+        strategies = model_strategies(strategies, input_shape, dtype, index)
+        axis = str(axis)
     device = memory if isinstance(memory, Device) else Device(memory)
     usable, optimizer = device.usable(), device.optimizer or measured_optimizer()
     if plain not in strategies:
