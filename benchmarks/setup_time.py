@@ -33,7 +33,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-METHOD = "xla"
+METHOD = "flops"  # jaxremat.remat's default
 MODELS = ("loop_mlp", "linen_cnn", "equinox", "nnx_list", "resnet", "gpt", "linen_scan")
 
 CHILD = textwrap.dedent(

@@ -68,7 +68,7 @@ def test_one_name_for_the_profiling_method():
     )
     with pytest.raises(TypeError, match="unknown option"):
         jr.remat_chain("80%", profile="xla")  # method='s name before the first release
-    with pytest.raises(ValueError, match="method must be 'measure' or 'xla'"):
+    with pytest.raises(ValueError, match="method must be 'measure', 'flops' or 'xla'"):
         jr.remat_chain("60%", method="wallclock")
     with pytest.raises(TypeError, match="unknown option"):
         jr.remat_chain("60%", metod="xla")

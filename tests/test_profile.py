@@ -232,7 +232,12 @@ def test_xla_method_without_rates_measures_them_once(monkeypatch):
     a = profile(chain, v, x, method="xla")
     b = profile(chain, v, x, method="xla")
     assert measured == [1] and a == b  # the rates come from the cache the second time
-    with pytest.raises(ValueError, match="method must be 'measure' or 'xla'"):
+    # "flops": each program's compiled flops at the flop rate, bytes not counted
+    f = profile(chain, v, x, method="flops")
+    np.testing.assert_allclose(f.fwd, f.fwd_flops / 2e10)
+    np.testing.assert_allclose(f.bwd, f.bwd_flops / 2e10)
+    assert measured == [1] and np.all(f.fwd <= a.fwd) and np.all(f.bwd <= a.bwd)
+    with pytest.raises(ValueError, match="method must be 'measure', 'flops' or 'xla'"):
         profile(chain, v, x, method="guess")
 
 

@@ -3,6 +3,8 @@ planned memory."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ from flax import nnx
 
 import jaxremat as jr
 from jaxremat.api import verify as verify_mod
-from jaxremat.api.user_blocks import by_period, by_scope
+from jaxremat.api.user_blocks import by_period, by_scope, user_blocks
 from jaxremat.api.verify import HAND_BYTES
 from jaxremat.core.ops import OpKind
 from jaxremat.model.jaxpr_chain import JaxprChain, crossing_bytes, find_cuts, trace
@@ -253,6 +255,14 @@ def test_every_k_stages_starts_where_the_blocks_do():
         "7:loss",
     ]
     assert by_scope(names, 3) == [(0, 3), (3, 4), (4, 6), (6, 7)]
+    # a chain cut at every layer of one Sequential: by scope one block, the whole model (checkpointed
+    # whole, it recomputes every layer at once), which is no user's block
+    gpt = [f"{i}:Sequential/layers_{i}" for i in range(4)] + ["4:loss"]
+    assert by_scope(gpt, 2) == [(0, 4)]
+    chain = SimpleNamespace(stacked=False, stages=[SimpleNamespace(name=n) for n in gpt])
+    assert user_blocks(chain, SimpleNamespace(scope_depth=2, at_contractions=False), costs) == []
+    chain = SimpleNamespace(stacked=False, stages=[SimpleNamespace(name=n) for n in names])
+    assert user_blocks(chain, SimpleNamespace(scope_depth=3, at_contractions=False), costs) == by_scope(names, 3)
 
 
 def test_gradient_with_respect_to_every_input_and_a_reused_plan():

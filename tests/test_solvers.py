@@ -198,3 +198,26 @@ def test_pruning_leaves_the_table_unchanged(L, share):
     pruned, _ = table(c)
     full, _ = table(c, prune=False)
     np.testing.assert_array_equal(pruned, full)
+
+
+@given(chains(), st.floats(0.0, 1.0))
+def test_leanest_is_the_least_memory_within_the_tie_of_the_fastest(costs, share):
+    """The plan jr.remat keeps: no slower than the fastest by more than LEAN_TIE, no larger, and
+    no schedule the solver finds a DP step below it is as fast (the bisection's resolution)."""
+    from jaxremat.solvers.lean import LEAN_TIE, leanest, preferred
+
+    budget = budget_between(costs, share)
+    fastest = jr.solve(costs, budget, slots=50)
+    lean = leanest(costs, fastest, slots=50)
+    assert lean.peak <= fastest.peak and lean.budget == fastest.budget
+    assert lean.time <= fastest.time * (1 + LEAN_TIE) + 1e-12
+    assert jr.simulate(costs, lean.ops) == (lean.peak, lean.time)
+    below = lean.peak - 2 * max(1, fastest.peak // 50)
+    if below > 0:
+        try:
+            assert jr.solve(costs, below, slots=50).time > fastest.time * (1 + LEAN_TIE)
+        except jr.InfeasibleBudget:
+            pass
+    # the ranking it follows: cheaper beyond the tie, else tied and leaner
+    assert preferred(0.98, 10, 1.0, 5) and preferred(1.005, 4, 1.0, 5)
+    assert not preferred(1.005, 6, 1.0, 5) and not preferred(1.02, 1, 1.0, 5)

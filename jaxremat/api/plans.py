@@ -24,6 +24,7 @@ from jaxremat.model.chain import Chain
 from jaxremat.model.identity import leaf_signature, stage_identity
 from jaxremat.profiling.bandwidth import link_bandwidth
 from jaxremat.profiling.profiler import check_loss, profile
+from jaxremat.profiling.rates import ESTIMATED
 from jaxremat.run.executor import execute
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical, solve
 
@@ -54,7 +55,8 @@ class PlanOptions:
 
     Attributes:
       algorithm: a solver algorithm (``"optimal"``, ``"revolve"``, ...; see ``jaxremat.ALGORITHMS``).
-      method: how stages are profiled: ``"measure"`` (wall clock) or ``"xla"`` (roofline).
+      method: how stages are profiled: ``"measure"`` (wall clock), ``"flops"`` (compiled flops at
+        the device's flop rate, as verification ranks schedules) or ``"xla"`` (roofline).
       slots: memory discretisation of the DP.
       calibrate: correct the plan with XLA's measured memory (a few compilations).
       max_period: the longest pattern repeated over a :class:`~jaxremat.Repeat` layer
@@ -112,8 +114,8 @@ class PlanOptions:
             )
         if self.verify is not None and not isinstance(self.verify, bool):
             raise ValueError(f"verify must be True, False or None (the default), got {self.verify!r}")
-        if self.method not in ("measure", "xla"):
-            raise ValueError(f"method must be 'measure' or 'xla', got {self.method!r}")
+        if self.method not in ("measure", *ESTIMATED):
+            raise ValueError(f"method must be 'measure', 'flops' or 'xla', got {self.method!r}")
         if isinstance(self.max_period, bool) or not isinstance(self.max_period, int) or self.max_period < 1:
             raise ValueError(f"max_period must be an int >= 1, got {self.max_period!r}")
         policies_of(self.policies)  # bad policies fail now

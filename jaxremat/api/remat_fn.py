@@ -31,6 +31,7 @@ from jaxremat.core.costs import ChainCosts, Shared
 from jaxremat.core.device import Device
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.solvers import OFFLOAD_ALGORITHMS, canonical
+from jaxremat.solvers.lean import leanest
 from jaxremat.model.identity import leaf_signature
 from jaxremat.model.jaxpr_chain import MAX_STAGES, USER_REMAT, JaxprChain, trace
 from jaxremat.model.trees import abstract, is_sharded, sharding_key, sharding_of
@@ -222,9 +223,15 @@ class RematFunction:
         return found
 
     def _solved(self, traced: JaxprChain, costs: ChainCosts, variables: list, budget: Any) -> Plan:
-        """The plan for ``budget`` (bytes, or as the user wrote it), not yet verified."""
+        """The plan for ``budget`` (bytes, or as the user wrote it), not yet verified: of the
+        schedules within :data:`~jaxremat.solvers.lean.LEAN_TIE` of the fastest, the leanest
+        (verification ranks what it compiles alike)."""
         try:
-            return make_plan(traced.chain, variables, (), budget, self.options, costs, verified=False)
+            plan = make_plan(traced.chain, variables, (), budget, self.options, costs, verified=False)
+            if budget is None or traced.chain.stacked or canonical(self.options.algorithm) != "optimal":
+                return plan
+            lean = leanest(plan.costs, plan.schedule, slots=self.options.slots)
+            return dataclasses.replace(plan, schedule=lean)
         except InfeasibleBudget:
             if not traced.chain.stacked or self.options.verify is False:
                 raise
@@ -326,8 +333,9 @@ def remat(
         whatever it says; its layers are named ``Decoder/layers[3]``, and a pattern may name them.
       user_remat: ``"replace"`` (default): a ``jax.checkpoint`` / ``nn.remat`` around a scanned
         layer is replaced by the plan; ``"keep"``: kept as written, the scan one stage.
-      options: ``algorithm``, ``method`` (default ``"xla"``: the roofline time model, no timing
-        runs), ``slots``, ``policies``, ``bandwidth``, ``verify`` as for
+      options: ``algorithm``, ``method`` (default ``"flops"``: each program's compiled flops at
+        the device's flop rate, no timing runs, as verification ranks schedules; ``"xla"``: the
+        roofline; ``"measure"``: wall clock), ``slots``, ``policies``, ``bandwidth``, ``verify`` as for
         :func:`jaxremat.remat_chain`; ``rates``, ``repeats``, ``cache``, ``quiet`` go to
         :func:`jaxremat.profile`. Any other keyword is an error now, not at the first call.
 
@@ -372,10 +380,11 @@ def remat(
             f"{', '.join(sorted(known))}, "
             f"and for the profiler {', '.join(PROFILE_KEYWORDS)}"
         )
-    # the roofline time model by default: no timing runs in the first call, the same plan in every
-    # process; verification ranks what fits by compiled flops either way (method="measure" times)
+    # the flops time model by default: no timing runs in the first call, the same plan in every
+    # process, and the plan ranked as verification ranks what fits, by compiled flops (so that no
+    # hand strategy needs compiling only because another time model ranked it below the plan)
     opts = plan_options(
-        **{"method": "xla", **{k: v for k, v in options.items() if k in known}},
+        **{"method": "flops", **{k: v for k, v in options.items() if k in known}},
         profile_options={k: v for k, v in options.items() if k not in known},
     )
     if fun is None:

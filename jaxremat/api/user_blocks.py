@@ -75,7 +75,7 @@ def user_blocks(chain: Chain, cuts: Cuts, costs: ChainCosts) -> list[Span]:
         spans = by_period(costs, chain.period)
     else:
         return []
-    return spans if any(e - b > 1 for b, e in spans) else []
+    return spans if len(spans) > 1 and any(e - b > 1 for b, e in spans) else []
 
 
 __all__ = ["Span", "by_period", "by_scope", "user_blocks"]

@@ -9,9 +9,11 @@ until a schedule measures within the budget, or :class:`~jaxremat.InfeasibleBudg
 least memory any schedule tried measured. Then the hand strategies that lie in the same
 schedule space (every stage under each store option, every stage or every ``k`` stages
 checkpointed, ``sqrt(L)`` segments, the user's blocks checkpointed or under each policy:
-:mod:`~jaxremat.api.user_blocks`) and that the profile predicts to run fewer flops are compiled
-too; one that measures within the budget with fewer compiled flops replaces the plan. The plan
-is never worse than a hand strategy it could have been.
+:mod:`~jaxremat.api.user_blocks`) and that the profile predicts the plan might be kept for are
+compiled too: fewer flops beyond :data:`~jaxremat.solvers.lean.LEAN_TIE`, or as many and less
+memory (:func:`~jaxremat.solvers.lean.preferred`, as the plan was chosen); one that measures
+within the budget and is preferred so replaces the plan. The plan is never worse than a hand
+strategy it could have been, by more than the tie.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from jaxremat.core.simulator import predicted_flops
 from jaxremat.core.units import format_bytes
 from jaxremat.profiling.parallel import side_by_side
 from jaxremat.solvers import baselines
+from jaxremat.solvers.lean import preferred
 
 #: At most this many hand strategies are compiled per plan (those predicted to run the fewest flops).
 HAND_COMPILES = 2
@@ -214,14 +217,15 @@ def verify(
             peak, t = sched.least_peak, sched.time
             flops = predicted_flops(costs, ops)
             cost, mine = (flops, own) if flops is not None and own is not None else (t, schedule.time)
-            # once a schedule fits, only strategies predicted cheaper; before, any: those predicted
+            # once a schedule fits, only strategies it might be kept for (preferred: cheaper beyond
+            # the tie, or tied and leaner, as the plan was chosen); before, any: those predicted
             # within the budget first, the cheapest first, then the rest, the least memory first.
             # (The least memory first throughout took "every 3 stages checkpointed" at 0.31 of an
             # equinox transformer's 75% budget, 1.15x the plain flops, where "every stage under
             # dots_saveable" fitted at 1.02x, 2026-12-05.)
             close = peak <= HAND_SLACK * target or not fits
             same = tuple(ops) == tuple(schedule.ops) and hand.blocks == schedule.blocks
-            if not same and close and (not fits or cost < mine * (1 + 1e-9)):
+            if not same and close and (not fits or preferred(cost, peak, mine, schedule.peak)):
                 # blocks that may fit only at their least after those that fit at their most: at
                 # 30% of the equinox transformer, its blocks under dots_saveable (between 2.45 and
                 # 9.07 MiB predicted, 8.48 measured) took the compiles from every stage
@@ -302,7 +306,7 @@ def verify(
             peak = hand.peak
             ok = m.peak <= target + HAND_BYTES
             checks.append(HandCheck(name, peak, m.peak, m.flops, ok))
-            if ok and (not fits or m.flops < got.flops * (1 - 1e-6)):
+            if ok and (not fits or preferred(m.flops, m.peak, got.flops, got.peak)):
                 schedule, got, chosen, fits = hand, m, name, True
     if not fits and target is not None:
         found = [(m.flops, n, s, m) for n, (s, m) in enumerate(earlier.values()) if m.peak <= target]

@@ -17,7 +17,7 @@ from jaxremat.model.trees import is_sharded, mesh_devices, sharding_of, tree_byt
 from jaxremat.profiling import cache as disk_cache
 from jaxremat.profiling.parallel import threads
 from jaxremat.profiling.progress import progress
-from jaxremat.profiling.rates import Rates, device_rates
+from jaxremat.profiling.rates import ESTIMATED, Rates, device_rates
 from jaxremat.profiling.stage import StageProfile, profile_stage, with_times
 from jaxremat.profiling.timing import TIMINGS, StageTimes
 
@@ -48,9 +48,10 @@ def profile_stages(
     compiled temp memory of the stage's forward and of its backward, times from the fastest of
     ``repeats`` interleaved wall-clock rounds (``"measure"``: the forward, the backward from
     its residuals, the two fused; every stage timed four times once all are compiled, a pass
-    over the stages apart, the fastest kept) or from the compiled flops and bytes against
-    device rates (``"xla"``, deterministic given ``rates``; measured once by
-    :func:`measure_rates` when not given). Each stage is also measured under every checkpoint
+    over the stages apart, the fastest kept) or from XLA's cost analysis against device rates
+    (deterministic given ``rates``; measured once by :func:`measure_rates` when not given):
+    ``"flops"`` the compiled flops at the flop rate, ``"xla"`` the roofline of flops and bytes
+    accessed (:func:`~jaxremat.profiling.rates.estimated_time`). Each stage is also measured under every checkpoint
     policy of ``policies`` (its store options; by default ``dots_saveable`` and
     ``dots_with_no_batch_dims_saveable``, see :mod:`jaxremat.core.policies`; ``()`` for none),
     options no better than another of the same stage dropped, and as ``FB`` (its forward fused
@@ -68,9 +69,9 @@ def profile_stages(
 
     Returns the costs and the per-stage measurements (flops and bytes accessed included).
     """
-    if method not in ("measure", "xla"):
-        raise ValueError(f"method must be 'measure' or 'xla', got {method!r}")
-    if method == "xla" and rates is None:
+    if method not in ("measure", *ESTIMATED):
+        raise ValueError(f"method must be 'measure', 'flops' or 'xla', got {method!r}")
+    if method in ESTIMATED and rates is None:
         rates = device_rates(use_cache=cache)
     shapes = chain.shapes(variables, sample)
     per_stage = chain.split(variables)

@@ -1,4 +1,5 @@
-"""Device rates for the ``"xla"`` roofline estimate: vendor peaks of known GPUs, or a measured micro-benchmark."""
+"""Device rates for the estimated time models (``method="flops"`` and the ``"xla"`` roofline):
+vendor peaks of known GPUs, or a measured micro-benchmark."""
 
 from __future__ import annotations
 
@@ -19,6 +20,28 @@ class Rates:
 
     flops: float
     bandwidth: float
+
+
+#: The profile methods that estimate times from XLA's cost analysis instead of timing programs.
+#: ``"flops"``: a program's compiled flops at the device's flop rate. It ranks schedules as
+#: verification does (:mod:`jaxremat.api.verify`: by the flops of the compiled step), so the plan
+#: is the schedule verification would pick among those that fit. Under the ``"xla"`` roofline
+#: (flops or bytes accessed, whichever takes longer) a 12-block GPT's 50% plan was priced 0.89x
+#: the time of every block under ``dots_saveable`` in 1.12x its flops and ran 1.05x its time;
+#: verification then compiled two hand strategies to replace it, 3 compiles of the step instead
+#: of 1 (CPU, 2026-12-06). The steps the two models planned at 30-75% of the store-all peak of
+#: the built-in ResNet and GPT, the loop MLP, the NNX list, the CNN and a scanned decoder ran
+#: within 2.5% of each other (``benchmarks/results/time_models.md``).
+ESTIMATED = ("flops", "xla")
+
+
+def estimated_time(method: str, rates: Rates, flops: float, nbytes: float) -> float:
+    """A program's time under an estimated time model (:data:`ESTIMATED`): ``"flops"`` its
+    flops at ``rates.flops``, ``"xla"`` the roofline (bytes accessed at ``rates.bandwidth`` where
+    that takes longer)."""
+    if method == "flops":
+        return flops / rates.flops
+    return max(flops / rates.flops, nbytes / rates.bandwidth)
 
 
 def median_time(fn, *args, repeats: int) -> float:
@@ -81,4 +104,13 @@ def measure_rates(size: int = 1024, repeats: int = 5) -> Rates:
     return Rates(flops=2 * size**3 / t, bandwidth=2 * big.nbytes / tc)
 
 
-__all__ = ["GPU_RATES", "Rates", "cached_rates", "device_rates", "measure_rates", "median_time"]
+__all__ = [
+    "ESTIMATED",
+    "GPU_RATES",
+    "Rates",
+    "cached_rates",
+    "device_rates",
+    "estimated_time",
+    "measure_rates",
+    "median_time",
+]

@@ -14,7 +14,7 @@ from jaxremat.model.cuts import holds_loop
 from jaxremat.model.stage import Stage
 from jaxremat.model.trees import abstract, is_sharded, sharding_of, tree_bytes, with_shardings
 from jaxremat.profiling.buffer_dump import HLO_TYPES
-from jaxremat.profiling.rates import Rates
+from jaxremat.profiling.rates import ESTIMATED, Rates, estimated_time
 from jaxremat.profiling.stage_memory import backward_memory, loop_transients, same_shapes, with_loss
 from jaxremat.profiling.timing import Program, StageTimes, option_time, roofline_floor
 from jaxremat.profiling.xla_buffers import fused_bytes
@@ -222,9 +222,9 @@ def profile_stage(
     fbf, fbb = _cost(fb_c)
     costs = {name: _cost(o.compiled) for name, o in opts.items()}
     timer = None
-    if method == "xla":
+    if method in ESTIMATED:
         assert rates is not None
-        roof = lambda flops, nbytes: max(flops / rates.flops, nbytes / rates.bandwidth)  # noqa: E731
+        roof = lambda flops, nbytes: estimated_time(method, rates, flops, nbytes)  # noqa: E731
         ft, bt = roof(ff, fbytes), roof(bf, bb)
         # FB and the policies' backwards run the backward's work and more: never priced below
         # it; a policy's backward recomputes part of what FB does: never priced above FB

@@ -272,9 +272,10 @@ def _model_args(p: argparse.ArgumentParser, default: str | None) -> None:
     p.add_argument("--dtype", help="input dtype (default float32; the built-in gpt takes int32)")
     p.add_argument(
         "--method",
-        choices=("measure", "xla"),
+        choices=("measure", "flops", "xla"),
         default="measure",
-        help="profile by timing each stage or from XLA's cost analysis (default measure)",
+        help="profile by timing each stage, or from XLA's cost analysis: flops, or the roofline of flops "
+        "and bytes (xla) (default measure)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
