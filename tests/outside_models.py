@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 import jaxremat as jr
+from jaxremat.core.compile import total_bytes
 
 # hand strategies, applied to every block: None (plain autodiff), "full" (jax.checkpoint with no
 # policy: keep the block's input only) or a jax.checkpoint policy
@@ -45,8 +46,7 @@ def update_step(loss: Callable, args: tuple, has_aux: bool = False) -> tuple[int
 def step_total(loss: Callable, args: tuple, optimizer: Any = None) -> int:
     """What the compiled training step of ``loss`` uses in all: temporaries, arguments and outputs,
     less the outputs written over donated arguments."""
-    m = compiled_step(loss, args, optimizer=optimizer).memory_analysis()
-    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+    return total_bytes(compiled_step(loss, args, optimizer=optimizer).memory_analysis())
 
 
 def compiled_step(loss: Callable, args: tuple, has_aux: bool = False, optimizer: Any = None) -> Any:

@@ -290,7 +290,13 @@ def verify(
         # calibrated_solve adds a_0 to what measure gives it; our peak holds it already
         try:
             cal = calibrated_solve(
-                costs, target, lambda s: measured(s).peak - x0, algorithm=algorithm, slots=slots, tries=tries + 1
+                costs,
+                target,
+                lambda s: measured(s).peak - x0,
+                algorithm=algorithm,
+                slots=slots,
+                tries=tries + 1,
+                start=schedule,  # measured already: the corrections start from it
             )
             schedule, chosen, fits = cal.schedule, "corrected plan", True
             got = measured(schedule)

@@ -12,7 +12,7 @@ import optax
 
 from jaxremat.api.calibrate import measured_loss, measured_optimizer
 from jaxremat.api.verify import Measured
-from jaxremat.core.compile import as_planned, measuring_options
+from jaxremat.core.compile import as_planned, held_bytes, measuring_options
 from jaxremat.core.schedule import Schedule
 from jaxremat.model.jaxpr_chain import JaxprChain
 from jaxremat.model.trees import sharding_of
@@ -78,8 +78,7 @@ def step_measure(
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         mem = compiled.memory_analysis()
-        held = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-        return Measured(int(mem.temp_size_in_bytes), float((cost or {}).get("flops", 0.0)), int(held))
+        return Measured(int(mem.temp_size_in_bytes), float((cost or {}).get("flops", 0.0)), held_bytes(mem))
 
     return measure
 

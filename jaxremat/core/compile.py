@@ -47,6 +47,19 @@ def compiler_options() -> dict[str, str]:
 MEASURING_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
+def held_bytes(memory: Any) -> int:
+    """What a compiled step's arguments and outputs hold beyond what donation writes over
+    (parameters, optimizer state, inputs, the loss), by XLA's ``compiled.memory_analysis()``:
+    argument + output - alias bytes."""
+    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes)
+
+
+def total_bytes(memory: Any) -> int:
+    """All a compiled step uses on the device by XLA's ``memory_analysis()``: its temporaries and
+    what its arguments and outputs hold (:func:`held_bytes`)."""
+    return int(memory.temp_size_in_bytes) + held_bytes(memory)
+
+
 def measuring_options(run: bool = False) -> dict[str, str | int]:
     """:func:`compiler_options` for a program compiled to be measured, not run (``run=False``):
     with :data:`MEASURING_OPTIONS` on the CPU, where they leave every analysis as it is and take a
@@ -205,7 +218,9 @@ __all__ = [
     "as_planned",
     "barriers_survive",
     "compiler_options",
+    "held_bytes",
     "jit",
     "remat_is_kept",
+    "total_bytes",
     "warn_unless_planned",
 ]

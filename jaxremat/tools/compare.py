@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxremat.api.calibrate import calibrated_solve, compile_step, measured_optimizer
+from jaxremat.core.compile import total_bytes
 from jaxremat.model.chain import Chain
 from jaxremat.model.stage import stage_rngs
 from jaxremat.model.trees import tree_bytes
@@ -39,6 +40,7 @@ from jaxremat.run.executor import execute
 from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.core.budgets import store_all_peak
 from jaxremat.solvers import min_budget, solve
+from jaxremat.tools.step_timing import CarriedStep, interleaved
 
 Forward = Callable[[list, Any], Any]  # (per-stage variables, x) -> output
 
@@ -123,10 +125,7 @@ def compile_point(point: Point, forward: Forward, per_stage: list, params: list,
     compiled = compile_step(forward, per_stage, params, x)
     point.compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    point.temp = int(mem.temp_size_in_bytes)
-    point.total = int(
-        mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    )
+    point.temp, point.total = int(mem.temp_size_in_bytes), total_bytes(mem)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     point.flops = float(cost.get("flops", float("nan")))
@@ -145,21 +144,12 @@ def fresh_state(params: list) -> tuple[list, Any]:
 
 
 def time_points(points: Sequence[Point], params: list, x: Any, *, rounds: int = 6, calls: int = 5) -> None:
-    """Wall times of every compiled point, in interleaved rounds: each round visits the points
-    in a new shuffled order and times ``calls`` consecutive calls of each after one untimed call
-    (so caches are warm and neither drift nor position favours a strategy). Each point's step
-    donates its parameters and optimizer state, so each carries its own copy from call to call."""
-    order = np.random.default_rng(0)
-    carried = [fresh_state(params) for _ in points]
-    for _ in range(rounds):
-        for j in order.permutation(len(points)):
-            p, (ps, st) = points[j], carried[j]
-            _, ps, st = jax.block_until_ready(p.compiled(ps, st, x))
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                _, ps, st = jax.block_until_ready(p.compiled(ps, st, x))
-                p.times.append(time.perf_counter() - t0)
-            carried[j] = (ps, st)
+    """Wall times of every compiled point, in interleaved rounds
+    (:func:`~jaxremat.tools.step_timing.interleaved`); each point's step donates its parameters
+    and optimizer state, so each carries its own copy from call to call."""
+    steps = [CarriedStep(p.compiled, *fresh_state(params), x) for p in points]
+    for p, times in zip(points, interleaved(steps, rounds=rounds, calls=calls)):
+        p.times.extend(times)
 
 
 # -- the comparison ----------------------------------------------------------------------------------

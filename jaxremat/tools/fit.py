@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -29,11 +27,12 @@ import optax
 
 from jaxremat.api.calibrate import measured_optimizer
 from jaxremat.api.remat_fn import remat
-from jaxremat.core.compile import as_planned, compiler_options, measuring_options
+from jaxremat.core.compile import as_planned, compiler_options, measuring_options, total_bytes
 from jaxremat.core.device import Device
 from jaxremat.core.schedule import InfeasibleBudget
 from jaxremat.core.units import format_bytes
 from jaxremat.profiling.progress import progress
+from jaxremat.tools.step_timing import CarriedStep, interleaved
 
 #: A strategy: ``make(size) -> (loss, args)``, the training loss of the model at that size
 #: written with the strategy's remat, and its arguments (parameters first).
@@ -142,45 +141,23 @@ def step_bytes(loss: Callable, args: tuple, optimizer: optax.GradientTransformat
     state = jax.eval_shape(optimizer.init, args[0])
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), args)
     lowered = jax.jit(training_step(loss, optimizer), donate_argnums=(0, 1)).lower(shapes[0], state, *shapes[1:])
-    m = lowered.compile(measuring_options() or None).memory_analysis()
-    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+    return total_bytes(lowered.compile(measuring_options() or None).memory_analysis())
 
 
-class StepTimer:
-    """A compiled training step of ``loss`` and the parameters and state it carries from call to
-    call (it donates them): :meth:`run` times calls of it."""
-
-    def __init__(self, loss: Callable, args: tuple, optimizer: optax.GradientTransformation):
-        options = compiler_options() or None
-        self._run = jax.jit(training_step(loss, optimizer), donate_argnums=(0, 1), compiler_options=options)
-        self._params, self._state = jax.tree.map(jnp.copy, args[0]), optimizer.init(args[0])
-        self._rest = args[1:]
-        self.times: list[float] = []
-        self._call()  # compiled and warm before any timing
-
-    def _call(self) -> None:
-        _, self._params, self._state = jax.block_until_ready(self._run(self._params, self._state, *self._rest))
-
-    def run(self, calls: int) -> None:
-        """Time ``calls`` calls, after one untimed."""
-        self._call()
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            self._call()
-            self.times.append(time.perf_counter() - t0)
+def carried_step(loss: Callable, args: tuple, optimizer: optax.GradientTransformation) -> CarriedStep:
+    """The training step of ``loss`` (:func:`training_step`), compiled and called once, with the
+    parameters and optimizer state it carries from call to call."""
+    options = compiler_options() or None
+    run = jax.jit(training_step(loss, optimizer), donate_argnums=(0, 1), compiler_options=options)
+    step = CarriedStep(run, jax.tree.map(jnp.copy, args[0]), optimizer.init(args[0]), *args[1:])
+    step()  # compiled before any timing
+    return step
 
 
-def time_steps(timers: Sequence[StepTimer], calls: int, rounds: int = 3) -> list[float]:
-    """The median step time of each of ``timers``, timed in ``rounds`` interleaved rounds (each a
-    new shuffled order, ``calls`` calls of each), so that a slow spell of the machine falls on every
-    strategy alike (timed one after another, 3 calls each, right after its compile, a GPT's
-    ``remat every block`` and jaxremat's plan at batch 6 measured 1.29x apart; timed again, 10
-    calls each, within 3% of each other; CPU, 2026-12-06)."""
-    order = random.Random(0)
-    for _ in range(rounds):
-        for timer in order.sample(list(timers), len(timers)):
-            timer.run(calls)
-    return [statistics.median(t.times) for t in timers]
+def time_steps(steps: Sequence[CarriedStep], calls: int, rounds: int = 3) -> list[float]:
+    """The median step time of each of ``steps``, timed in ``rounds`` interleaved rounds of
+    ``calls`` calls each (:func:`~jaxremat.tools.step_timing.interleaved`)."""
+    return [statistics.median(t) for t in interleaved(steps, rounds=rounds, calls=calls)]
 
 
 def fit(
@@ -266,14 +243,14 @@ def fit(
         ]
         seconds = {}
         if jax.default_backend() == "cpu":  # all held at once: interleaved
-            timers = []
+            ready = []
             for n, s in chosen:
-                timers.append(StepTimer(*loss_and_args(n, s), optimizer))
+                ready.append(carried_step(*loss_and_args(n, s), optimizer))
                 advance(f"{n} compiled to be timed at {axis} {s}")
-            seconds = dict(zip(chosen, time_steps(timers, steps)))
+            seconds = dict(zip(chosen, time_steps(ready, steps)))
         else:  # each fills the device: one at a time, its buffers freed before the next
             for n, s in chosen:
-                seconds[n, s] = time_steps([StepTimer(*loss_and_args(n, s), optimizer)], steps)[0]
+                seconds[n, s] = time_steps([carried_step(*loss_and_args(n, s), optimizer)], steps)[0]
                 advance(f"{n} timed at {axis} {s}")
         for name in names:
             curve = tuple((s, b, seconds.get((n, s), math.nan)) for (n, s), b in sorted(used.items()) if n == name)
@@ -357,5 +334,5 @@ def write_json(result: Fit, path: str) -> None:
 
 __all__ = [
     "Fit", "FitRow", "JAXREMAT", "Strategy", "fit", "largest", "model_strategies", "size_grid", "step_bytes",
-    "StepTimer", "time_steps", "write_json",
+    "carried_step", "time_steps", "write_json",
 ]
