@@ -130,3 +130,26 @@ def test_a_hand_strategy_that_fits_in_the_plans_flops_spares_the_corrections():
 
     got, found = verify(c, target, plan, costly)
     assert found.corrections >= 1 and found.chosen == "corrected plan"
+
+
+def test_corrections_start_from_the_lean_plan_and_correct_its_predicted_peak():
+    """XLA measuring a constant excess over every prediction: the lean plan, measured first and
+    over, is corrected by that excess from its own predicted peak, so the next schedule fits (one
+    correction, not a walk down from the budget); and no schedule is compiled once none left can
+    be faster than the tie."""
+    from jaxremat.solvers.lean import LEAN_TIE, leanest
+
+    costs = costs_of_demo_chain()
+    x0, excess = int(costs.x[0]), 6000
+    budget = int(0.6 * jr.store_all_peak(costs))
+    lean = leanest(costs, jr.solve(costs, budget))
+    measured = []
+
+    def measure(s):
+        measured.append(tuple(s.ops))
+        return s.peak + excess - x0
+
+    cal = calibrated_solve(costs, budget, measure, start=lean, tolerance=0.03, tie=LEAN_TIE)
+    assert measured[0] == tuple(lean.ops) and lean.peak + excess > budget
+    assert cal.measured_peak <= budget and len(measured) <= 3
+    assert cal.tries[1][0] <= lean.peak + budget - (lean.peak + excess) + 1  # from the predicted peak

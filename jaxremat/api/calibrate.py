@@ -27,7 +27,6 @@ from jaxremat.core.schedule import InfeasibleBudget, Schedule
 from jaxremat.model.chain import Chain
 from jaxremat.run.executor import execute
 from jaxremat.solvers import min_budget, solve
-from jaxremat.solvers.lean import LEAN_TIE
 
 
 def measured_loss(out: Any) -> jax.Array:
@@ -139,7 +138,7 @@ def calibrated_solve(
     slots: int = 500,
     tries: int = 6,
     tolerance: float = 0.01,
-    tie: float = LEAN_TIE,
+    tie: float = 0.0,
     start: Schedule | None = None,
 ) -> Calibrated:
     """The fastest schedule whose measured peak fits ``budget``.
@@ -150,11 +149,12 @@ def calibrated_solve(
     leanest within the tie of the fastest: solved again, the budget gives the fastest, which keeps
     more and was one more compile). At most ``tries`` compilations; stops early once a schedule's
     measured peak is within ``tolerance`` of the budget, or once the fastest that fits is within
-    ``tie`` of the predicted time of the schedule measured over it at the least working budget: a
-    schedule solved between the two is no faster than that one, so it could not win by more than the
-    tie (a linen CNN at 75%, fitting at 0.97 of the budget within 0.8% of the flops of the plan over
-    it, compiled two more schedules that both measured over, 2026-12-06). Raises
-    :class:`InfeasibleBudget` when no schedule tried fits.
+    ``tie`` (verification's: :data:`~jaxremat.solvers.lean.LEAN_TIE`) of the predicted time of the
+    schedule measured over it at the least working budget: a schedule solved between the two is no
+    faster than that one, so it could not win by more than the tie (a linen CNN at 75%, fitting at
+    0.97 of the budget within 0.8% of the flops of the plan over it, compiled two more schedules
+    that both measured over, 2026-12-06). Raises :class:`InfeasibleBudget` when no schedule tried
+    fits.
     """
     target = parse_budget(budget, costs)
     x0 = int(costs.x[0])

@@ -32,7 +32,7 @@ from jaxremat.core.simulator import predicted_flops
 from jaxremat.core.units import format_bytes
 from jaxremat.profiling.parallel import side_by_side
 from jaxremat.solvers import baselines
-from jaxremat.solvers.lean import preferred
+from jaxremat.solvers.lean import LEAN_TIE, preferred
 
 #: Corrections stop at a schedule measured within this share of the budget: each further one is
 #: a compile of the step, for a schedule that can use at most this much more memory (a linen
@@ -303,6 +303,7 @@ def verify(
                 tries=tries + 1,
                 start=schedule,  # measured already: the corrections start from it
                 tolerance=CORRECTED_WITHIN,
+                tie=LEAN_TIE,
             )
             schedule, chosen, fits = cal.schedule, "corrected plan", True
             got = measured(schedule)

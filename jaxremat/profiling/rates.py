@@ -29,9 +29,10 @@ class Rates:
 #: (flops or bytes accessed, whichever takes longer) a 12-block GPT's 50% plan was priced 0.89x
 #: the time of every block under ``dots_saveable`` in 1.12x its flops and ran 1.05x its time;
 #: verification then compiled two hand strategies to replace it, 3 compiles of the step instead
-#: of 1 (CPU, 2026-12-06). The steps the two models planned at 30-75% of the store-all peak of
-#: the built-in ResNet and GPT, the loop MLP, the NNX list, the CNN and a scanned decoder ran
-#: within 2.5% of each other (``benchmarks/results/time_models.md``).
+#: of 1 (CPU, 2026-12-06). With the leanest plan (:mod:`~jaxremat.solvers.lean`), the steps planned
+#: at 30-75% of the store-all peak of the built-in ResNet and GPT, the loop MLP, the NNX list, the
+#: CNN and a scanned decoder ran 0.88-1.05x those of the roofline's fastest plans, in 17
+#: compiles of the step instead of 26 (``benchmarks/results/time_models.md``).
 ESTIMATED = ("flops", "xla")
 
 
