@@ -11,6 +11,7 @@ batch. Also given: jaxremat's throughput at that hand strategy's batch.
 
     python benchmarks/fit.py [model ...]     # the run (all models: writes the results)
     python benchmarks/fit.py --render        # fit.md again from fit.json
+    python benchmarks/fit.py --merge gpt     # those models run again, their records replaced
 
 Writes ``benchmarks/results/fit.md``, ``fit.json`` and ``fit.png`` (the GPT at its middle limit).
 CPU, ``cse_barrier_expander`` off.
@@ -101,7 +102,8 @@ def main() -> None:
         date = text.split("`python benchmarks/fit.py` (")[1].split(",")[0]
         (OUT / "fit.md").write_text(render(records, date))
         return
-    names = sys.argv[1:] or list(CASES)
+    merge = sys.argv[1:2] == ["--merge"]
+    names = sys.argv[2:] if merge else (sys.argv[1:] or list(CASES))
     records = []
     for name in names:
         shape, dtype, sizes, limits = CASES[name]
@@ -114,9 +116,18 @@ def main() -> None:
             print(result.table(), flush=True)
             if name == "gpt" and memory == limits[1]:
                 plot_fit(result, OUT / "fit.png")
-    if not sys.argv[1:]:
+    date = str(datetime.date.today())
+    if merge:
+        old = json.loads((OUT / "fit.json").read_text())
+        text = (OUT / "fit.md").read_text()
+        first = text.split("`python benchmarks/fit.py` (")[1].split(",")[0]
+        new = {r["model"] for r in records}
+        kept = [r for r in old if r["model"] not in new]
+        records = sorted(kept + records, key=lambda r: list(CASES).index(r["model"]))
+        date = f"{first}; {' and '.join(names)} rerun {date} with `--merge`"
+    if merge or not sys.argv[1:]:
         (OUT / "fit.json").write_text(json.dumps(records, indent=1))
-        (OUT / "fit.md").write_text(render(records, str(datetime.date.today())))
+        (OUT / "fit.md").write_text(render(records, date))
 
 
 if __name__ == "__main__":
