@@ -4,10 +4,11 @@ predicted time, the one that peaks lowest.
 The DP spends the budget it is given wherever that saves any time: at 75% of a 12-block GPT's
 store-all peak the fastest plan kept five blocks whole, 0.97 of the budget (165 MiB), to run 0.5%
 fewer flops than every block under ``dots_saveable`` in 95.7 MiB. It ran 1.07x that strategy's
-time on the CPU (2026-12-06), where XLA's temp memory is first touched by every step; and memory
-left free is room for XLA's heap packing, which verification otherwise corrects by compiling the
-step again. Plans and verification rank alike (:func:`preferred`): fewer flops (or less time)
-by more than the tie wins; within it, less memory does.
+time on the CPU (2026-12-06; why was not checked: the CPU may pay for touching the larger temp
+memory every step); and memory left free is room for XLA's heap packing, which verification
+otherwise corrects by compiling the step again. Plans and verification rank alike
+(:func:`preferred`): fewer flops (or less time) by more than the tie wins; within it, less memory
+does.
 """
 
 from __future__ import annotations
