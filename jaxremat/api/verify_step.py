@@ -72,9 +72,8 @@ def step_measure(
         shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_of(s)) for s in flat]
         d, o = [shapes[n] for n in diff], [shapes[n] for n in other]
         state = jax.eval_shape(opt.init, d)
-        compiled = (
-            jax.jit(as_planned(step), donate_argnums=(0, 1)).lower(d, state, o).compile(measuring_options() or None)
-        )
+        lowered = jax.jit(as_planned(step), donate_argnums=(0, 1)).lower(d, state, o)
+        compiled = lowered.compile(measuring_options(lowered=lowered) or None)
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         mem = compiled.memory_analysis()

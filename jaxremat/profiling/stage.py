@@ -175,7 +175,8 @@ def profile_stage(
     rng = jax.random.key(0)
     out_shape = jax.eval_shape(g, params, a_shape, rest, rng)
     timed = method == "measure"  # the forward and FB are run by the timing: compiled as the step is
-    fwd_c = jax.jit(g).lower(params, a_shape, rest, rng).compile(measuring_options(timed) or None)
+    fwd_l = jax.jit(g).lower(params, a_shape, rest, rng)
+    fwd_c = fwd_l.compile(measuring_options(timed, fwd_l) or None)
     if is_sharded((params, a_shape)):  # on a mesh: the output (and its cotangent) as XLA lays it out
         out_shape = with_shardings(out_shape, fwd_c.output_shardings)
     cot_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_of(s)), out_shape)

@@ -139,7 +139,7 @@ def loop_transients(
             return jax.vjp(lambda ps, x: lax.scan(layer, x, ps)[0], ps, x)[1](ct)
 
         lowered = jax.jit(backward).lower(stacked, a_shape, a_shape, rest, rng)
-        compiled = lowered.compile(measuring_options() or None)
+        compiled = lowered.compile(measuring_options(lowered=lowered) or None)
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     program = {name: same.get(name, name) for name in kinds}

@@ -24,8 +24,9 @@ def compile_with_dump(fn: Callable, *args: Any, options: dict | None = None, run
     """Compile ``jax.jit(fn)(*args)`` with XLA's buffer dumps; return (compiled, dump folder).
     Compiled to be measured (:func:`~jaxremat.core.compile.measuring_options`) unless ``run``."""
     folder = tempfile.mkdtemp(prefix="jaxremat-xla-")
-    opts = {**measuring_options(run), **(options or {}), "xla_dump_to": folder, "xla_dump_hlo_pass_re": ""}
-    compiled = jax.jit(fn, keep_unused=True).lower(*args).compile(opts)  # parameter numbers = leaf order
+    lowered = jax.jit(fn, keep_unused=True).lower(*args)  # parameter numbers = leaf order
+    opts = {**measuring_options(run, lowered), **(options or {}), "xla_dump_to": folder, "xla_dump_hlo_pass_re": ""}
+    compiled = lowered.compile(opts)
     return compiled, folder
 
 

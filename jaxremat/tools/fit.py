@@ -141,7 +141,7 @@ def step_bytes(loss: Callable, args: tuple, optimizer: optax.GradientTransformat
     state = jax.eval_shape(optimizer.init, args[0])
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), args)
     lowered = jax.jit(training_step(loss, optimizer), donate_argnums=(0, 1)).lower(shapes[0], state, *shapes[1:])
-    return total_bytes(lowered.compile(measuring_options() or None).memory_analysis())
+    return total_bytes(lowered.compile(measuring_options(lowered=lowered) or None).memory_analysis())
 
 
 def carried_step(loss: Callable, args: tuple, optimizer: optax.GradientTransformation) -> CarriedStep:
