@@ -1,8 +1,9 @@
 """The promise on models written by others: verified plans against hand policies.
 
 For each model of the outside corpus (``tests/outside_models.py``: a plain-JAX loop MLP, a linen
-CNN with the user's ``nn.remat``, dropout and BatchNorm, a U-Net with concatenated skips, an
-equinox transformer with its blocks in a list, an NNX model over an ``nnx.List``), planned
+decoder looping over its blocks, a linen CNN with the user's ``nn.remat``, dropout and
+BatchNorm, a U-Net with concatenated skips, an equinox transformer with its blocks in a list, an
+NNX model over an ``nnx.List``), planned
 through ``jaxremat.remat`` at 20 / 30 / 50 / 75% of the store-all peak:
 
 * the user's training step (gradient of the first argument, Adam, donated) compiled apart:

@@ -14,10 +14,11 @@ whichever is more), the second process at most 1.5x.
 
     python benchmarks/setup_time.py [model ...]
 
-Models: the outside corpus (``tests/outside_models.py``: the loop MLP, the linen CNN with
-BatchNorm, dropout and the user's ``nn.remat``, the equinox transformer with its blocks in a
-list, the NNX list), the built-in ResNet and GPT (a Python loop over their blocks, planned
-through ``jaxremat.remat`` of their loss) and the ``nn.scan`` decoder of ``tests/scan_models.py``.
+Models: the outside corpus (``tests/outside_models.py``: the linen decoder looping over its 8
+blocks, the loop MLP, the linen CNN with BatchNorm, dropout and the user's ``nn.remat``, the
+equinox transformer with its blocks in a list, the NNX list), the built-in ResNet and GPT (a
+Python loop over their blocks, planned through ``jaxremat.remat`` of their loss) and the
+``nn.scan`` decoder of ``tests/scan_models.py``.
 Writes ``benchmarks/results/setup_time.md``. CPU, ``cse_barrier_expander`` off.
 """
 
@@ -34,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 METHOD = "flops"  # jaxremat.remat's default
-MODELS = ("loop_mlp", "linen_cnn", "equinox", "nnx_list", "resnet", "gpt", "linen_scan")
+MODELS = ("loop_decoder", "loop_mlp", "linen_cnn", "equinox", "nnx_list", "resnet", "gpt", "linen_scan")
 
 CHILD = textwrap.dedent(
     """

@@ -2,8 +2,9 @@
 its promise on (``tests/test_outside.py``, ``benchmarks/outside.py``).
 
 Each case builds a loss the usual way for its framework (a Python loop over plain-JAX weights,
-linen with the user's own ``nn.remat``, dropout and BatchNorm, a U-Net with concatenated skips,
-an equinox transformer with its blocks in a list, NNX with an ``nnx.List``) and can build the
+a linen decoder looping over its blocks, linen with the user's own ``nn.remat``, dropout and
+BatchNorm, a U-Net with concatenated skips, an equinox transformer with its blocks in a list, NNX
+with an ``nnx.List``) and can build the
 same loss with a hand-written ``jax.checkpoint`` policy on every block (``hand=``), which is what
 jaxremat must beat at the same memory. ``Case.loss(*args)`` returns a scalar, or ``(scalar, aux)``
 with ``has_aux``; ``Case.args`` are concrete; ``Case.grad_args`` the arguments differentiated.
@@ -226,6 +227,58 @@ def concat_unet(shape: tuple[int, ...] = (4, 32, 32, 3)) -> Case:
     return Case("linen U-Net (concatenated skips)", make, (v, x))
 
 
+# -- linen: a decoder written as a Python loop over its blocks -------------------------------------
+
+
+class DecoderBlock(nn.Module):
+    width: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x, mask):
+        x = x + nn.MultiHeadDotProductAttention(self.heads)(nn.LayerNorm()(x), mask=mask)
+        return x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(nn.LayerNorm()(x))))
+
+
+class LoopDecoder(nn.Module):
+    """A GPT as a user writes it in linen: positions and the causal mask in ``__call__``, a Python
+    loop over its blocks; ``hand`` puts every block under one strategy."""
+
+    blocks: int = 8
+    width: int = 128
+    heads: int = 4
+    vocab: int = 512
+    hand: Any = None
+
+    @nn.compact
+    def __call__(self, tokens):
+        mask = nn.make_causal_mask(tokens)
+        positions = jnp.arange(tokens.shape[1])
+        x = nn.Embed(self.vocab, self.width)(tokens) + nn.Embed(tokens.shape[1], self.width)(positions)
+        block = DecoderBlock
+        if self.hand is not None:
+            block = nn.remat(DecoderBlock, policy=None if self.hand == FULL else self.hand)
+        for n in range(self.blocks):
+            x = block(self.width, self.heads, name=f"DecoderBlock_{n}")(x, mask)  # named as without hand
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def loop_decoder(blocks: int = 8, width: int = 128, tokens: tuple[int, int] = (8, 128), vocab: int = 512) -> Case:
+    ids = jax.random.randint(jax.random.key(1), tokens, 0, vocab)
+    v = LoopDecoder(blocks, width, vocab=vocab).init(jax.random.key(0), ids)
+
+    def make(hand):
+        m = LoopDecoder(blocks, width, vocab=vocab, hand=hand)
+
+        def loss(v, ids):  # next-token cross-entropy
+            logits = m.apply(v, ids)[:, :-1]
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1))
+
+        return loss
+
+    return Case("linen loop decoder", make, (v, ids))
+
+
 # -- equinox: a transformer with its blocks in a list, dropout and attention ---------------------
 
 
@@ -326,6 +379,7 @@ def nnx_list(blocks: int = 6, width: int = 64, batch: int = 128) -> Case:
 
 CASES: dict[str, Callable[[], Case]] = {
     "loop_mlp": loop_mlp,
+    "loop_decoder": loop_decoder,
     "linen_cnn": linen_cnn,
     "linen_cnn_plain": lambda: linen_cnn(user_remat=False),
     "concat_unet": concat_unet,

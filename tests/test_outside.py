@@ -41,6 +41,7 @@ def check_gradients(case, f):
 
 SMALL = {  # the corpus at test sizes (the U-Net's skips: test_remat_fn; its budgets: benchmarks/outside.py)
     "nnx_list": lambda: CASES["nnx_list"](blocks=4, width=32, batch=32),
+    "loop_decoder": lambda: CASES["loop_decoder"](blocks=2, width=32, tokens=(4, 32), vocab=64),
 }
 
 
