@@ -3,6 +3,7 @@ planned memory."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import flax.linen as nn
@@ -198,6 +199,20 @@ def test_auto_says_how_it_cut():
     assert find_cuts(closed.jaxpr).how.startswith("at contractions")
     assert find_cuts(closed.jaxpr).count == 16 + 1  # and the loss, a stage of its own
     assert find_cuts(closed.jaxpr).names[-1] == "loss" and find_cuts(closed.jaxpr, "bytes").count == 17
+
+
+def test_a_blocks_closing_residual_add_stays_in_the_block():
+    # x + mlp(x) is written in the block's __call__, above the depth the chain is cut at: it ends
+    # the block's last stage, so that between blocks only the residual stream crosses (and what
+    # every boundary carries, the mask), as the user's block returns it; in the next block's
+    # first stage, the stream and the MLP's output crossed
+    loss, args = decoder_case()
+    closed, _, _ = trace(loss, args)
+    cuts, crossing = find_cuts(closed.jaxpr), crossing_bytes(closed.jaxpr)
+    starts = [int(crossing[b]) for b, n in zip(cuts.bounds, cuts.names) if re.search(r"Block_[12]/[^/]+/query$", n)]
+    tokens = args[1]
+    stream, mask = tokens.size * 32 * 4, tokens.shape[0] * tokens.shape[1] ** 2  # f32 stream, bool mask
+    assert len(starts) == 2 and starts[0] == starts[1] < 2 * stream + mask, (starts, stream)  # 49152 before
 
 
 def test_a_pre_norm_residual_block_is_cut_where_only_the_residual_stream_crosses():
