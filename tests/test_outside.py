@@ -98,6 +98,16 @@ def test_user_remat_dropout_and_batchnorm():
     check_gradients(case, f.with_budget("75%"))
 
 
+def test_verification_measures_the_step_that_returns_the_batch_statistics():
+    """A step built with ``has_aux`` returns the loss's aux (BatchNorm's statistics), and XLA
+    schedules it differently: verification compiles that step, so its measured peak is the
+    user's (a linen CNN's 50% plan: 10.54 MiB without the aux, 11.04 with it, over its budget)."""
+    case = CASES["linen_cnn"](shape=(2, 16, 16, 3), user_remat=False)
+    f = jr.remat(case.loss, "50%", method="xla", rates=RATES, policies=())
+    plan = f.plan(*case.args)
+    assert plan.verification.measured_peak == update_step(f, case.args, case.has_aux)[0]
+
+
 # jaxremat's recomputation of the last layer's stage makes its activation again where a hand
 # policy keeps it as the loss's residual: that activation's element-wise flops, 0.11% of the
 # 8-layer MLP's step (measured 2026-12-05)
