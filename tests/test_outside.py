@@ -238,6 +238,28 @@ def test_a_kept_plan_that_does_not_load_is_planned_again(monkeypatch, tmp_path):
     assert not fresh.setup.cached and fresh.schedule.ops == first.schedule.ops
 
 
+def test_a_refused_budget_is_refused_again_from_the_disk(monkeypatch, tmp_path):
+    """A refusal is kept as plans are: a new process refuses the budget with the same least
+    budget, without profiling or compiling (a linen CNN's 50%, refused by XLA's measure, took 4 s
+    of verification in every process)."""
+    from jaxremat.api import remat_fn
+    from jaxremat.profiling import Rates
+
+    monkeypatch.setenv("JAXREMAT_CACHE_DIR", str(tmp_path))
+    case = loop_mlp(layers=4, width=32)
+    make = lambda: jr.remat(case.loss, "1%", method="xla", rates=Rates(1e10, 1e10), verify=False)  # noqa: E731
+    with pytest.raises(jr.InfeasibleBudget) as first:
+        make().plan(*case.args)
+
+    def no_profile(*a, **k):
+        raise AssertionError("profiled again")
+
+    monkeypatch.setattr(remat_fn, "profile", no_profile)
+    with pytest.raises(jr.InfeasibleBudget) as again:
+        make().plan(*case.args)
+    assert str(again.value) == str(first.value) and again.value.min_budget == first.value.min_budget
+
+
 def test_a_region_of_several_stages_recomputes_in_the_backward():
     """The stages a region recomputes before its last read no cotangent; untied, XLA recomputed
     them in the forward pass and held the results until the backward (a 12-layer loop MLP's 50%

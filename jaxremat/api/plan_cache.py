@@ -4,8 +4,8 @@ and options gets its plan without profiling, solving or compiling again.
 A :func:`jaxremat.remat` plan's first call traces the function, profiles its stages (each kept in
 the stage cache, :mod:`jaxremat.profiling.cache`), solves and verifies by compiling the step: the
 verification's compiles alone took 68 s of an equinox transformer's 227 s first call on the CPU.
-The stage cache saved the profile in a new process, not the compiles. The plan it ends with is
-kept here, keyed by what it was made from:
+The stage cache saved the profile in a new process, not the compiles. The plan it ends with (or
+its refusal, :class:`Refusal`) is kept here, keyed by what it was made from:
 
 * the traced function: its jaxpr as text (every equation, its parameters without memory
   addresses, every shape and dtype; the same in every process), the layout of its inputs and
@@ -25,13 +25,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
 from jaxremat.api.plans import VERSION, Plan, PlanOptions, plan_from_json
 from jaxremat.core.compile import compiler_options
 from jaxremat.core.device import Device
+from jaxremat.core.schedule import InfeasibleBudget
 from jaxremat.model.identity import closure_key
 from jaxremat.model.jaxpr_eval import jaxpr_text
 from jaxremat.profiling import cache as disk_cache
@@ -94,19 +95,36 @@ def enabled(options: PlanOptions) -> bool:
     return disk_cache.enabled(options.profile_options.get("cache"))
 
 
-def load(key: str) -> Plan | None:
-    """The plan kept under ``key``, or ``None`` (none, or one that does not load)."""
+def load(key: str) -> Plan | Refusal | None:
+    """The plan (or the refusal) kept under ``key``, or ``None`` (none, or one that does not load)."""
     entry = disk_cache.load(key)
     if entry is None:
         return None
     try:
+        if isinstance(entry, dict) and "refusal" in entry:
+            r = entry["refusal"]
+            return Refusal(str(r["signature"]), InfeasibleBudget(*r["error"]))
         return plan_from_json(entry)
     except (ValueError, KeyError, TypeError):
         return None
 
 
-def store(key: str, plan: Plan) -> None:
-    disk_cache.store(key, plan.to_json())
+class Refusal(NamedTuple):
+    """A budget refused for a function (by the solver, or by XLA's measure of the schedules that
+    verification compiled), kept so that a new process refuses it without the compiles: a linen
+    CNN's 50%, refused by measurement, took 4 s of verification in every process."""
+
+    signature: str
+    error: InfeasibleBudget
 
 
-__all__ = ["enabled", "load", "plan_key", "store"]
+def store(key: str, plan: Plan | Refusal) -> None:
+    if isinstance(plan, Refusal):
+        e = plan.error
+        disk_cache.store(key, {"refusal": {"signature": plan.signature,
+                                           "error": [e.algorithm, e.budget, e.min_budget, e.note]}})
+    else:
+        disk_cache.store(key, plan.to_json())
+
+
+__all__ = ["Refusal", "enabled", "load", "plan_key", "store"]

@@ -167,7 +167,10 @@ class RematFunction:
         kept = plan_cache.plan_key(closed, key, self.budget, self.options, cut)
         use_disk = plan_cache.enabled(self.options)
         cached = plan_cache.load(kept) if use_disk else None
-        if cached is not None and cached.signature == signature(traced.chain, variables, ()):
+        sig = signature(traced.chain, variables, ())
+        if isinstance(cached, plan_cache.Refusal) and cached.signature == sig:
+            raise cached.error
+        if isinstance(cached, Plan) and cached.signature == sig:
             setup = SetupTime(t1 - t0, 0.0, 0.0, 0.0, cached=True)
             found = _Prepared(traced, dataclasses.replace(cached, setup=setup), in_tree, out_tree, dynamic)
             self._prepared[key] = found
@@ -203,6 +206,8 @@ class RematFunction:
             except InfeasibleBudget as e:
                 if device:
                     raise device_budget.refusal(e, device, held) from None
+                if use_disk:
+                    plan_cache.store(kept, plan_cache.Refusal(sig, e))
                 raise
             if not device or max(measured_held, default=0) <= held:
                 break
