@@ -118,13 +118,13 @@ class Refusal(NamedTuple):
     error: InfeasibleBudget
 
 
-def store(key: str, plan: Plan | Refusal) -> None:
-    if isinstance(plan, Refusal):
-        e = plan.error
-        disk_cache.store(key, {"refusal": {"signature": plan.signature,
+def store(key: str, entry: Plan | Refusal) -> None:
+    if isinstance(entry, Refusal):
+        e = entry.error
+        disk_cache.store(key, {"refusal": {"signature": entry.signature,
                                            "error": [e.algorithm, e.budget, e.min_budget, e.note]}})
     else:
-        disk_cache.store(key, plan.to_json())
+        disk_cache.store(key, entry.to_json())
 
 
 __all__ = ["Refusal", "enabled", "load", "plan_key", "store"]

@@ -170,9 +170,7 @@ def _glue_to_its_module(keys: Sequence[Any], paths: Sequence[tuple[str, ...]]) -
     8-block linen decoder, CPU, 2026-12-06)."""
     keys = list(keys)
     keyed = [n for n, k in enumerate(keys) if k is not None]
-    for before, after in zip(keyed, keyed[1:] + [None]):
-        if after is None:
-            break
+    for before, after in zip(keyed, keyed[1:]):
         prev, nxt = keys[before], keys[after]
         for n in range(before + 1, after):
             path = paths[n]
