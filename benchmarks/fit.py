@@ -1,13 +1,15 @@
 """The largest batch that fits a device, per strategy, and the throughput there (issue 45).
 
-For the built-in ResNet, GPT (12 blocks in an ``nn.Sequential``) and the scanned decoder (the same
+For the built-in ResNet, GPT (12 blocks in an ``nn.Sequential``), the scanned decoder (the same
 GPT with its blocks one ``nn.scan``, the hand strategies its own ``nn.remat`` policies as MaxText
-writes them), at three memory limits on the CPU: :func:`jaxremat.tools.fit.fit` finds each
-strategy's largest batch by bisection on XLA-measured compiles of the whole training step (Adam,
-donated; 5% headroom) and times it there; jaxremat is ``jaxremat.remat(loss, jaxremat.Device(m))``,
-timed at every batch it fits. Goal: at every limit, jaxremat's largest batch at least the largest
-of the hand strategies, and its throughput there at least the best hand strategy's at its largest
-batch. Also given: jaxremat's throughput at that hand strategy's batch.
+writes them) and a linen decoder from the outside corpus (its 8 blocks in a Python loop, the hand
+strategies ``nn.remat`` on each block as its author writes it), at three memory limits on the
+CPU: :func:`jaxremat.tools.fit.fit` finds each strategy's largest batch by bisection on
+XLA-measured compiles of the whole training step (Adam, donated; 5% headroom) and times it there;
+jaxremat is ``jaxremat.remat(loss, jaxremat.Device(m))``, timed at every batch it fits. Goal: at
+every limit, jaxremat's largest batch at least the largest of the hand strategies, and its
+throughput there at least the best hand strategy's at its largest batch. Also given: jaxremat's
+throughput at that hand strategy's batch.
 
     python benchmarks/fit.py [model ...]     # the run (all models: writes the results)
     python benchmarks/fit.py --render        # fit.md again from fit.json
@@ -24,6 +26,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 os.environ.setdefault("XLA_FLAGS", "--xla_disable_hlo_passes=cse_barrier_expander")
 
@@ -36,11 +39,36 @@ from jaxremat.tools.plots import plot_fit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results"
-# model -> (input shape at any batch, dtype, batch range, memory limits)
+
+
+def builtin(name: str, shape: tuple, dtype: str) -> Callable[[], dict]:
+    """The strategies of a built-in model (:func:`~jaxremat.tools.fit.model_strategies`)."""
+    return lambda: model_strategies(models.SAMPLES[name][0](), shape, dtype)
+
+
+def loop_decoder() -> dict:
+    """The outside corpus's linen decoder (``tests/outside_models.py``: 8 blocks in a Python loop,
+    next-token cross-entropy), its hand strategies the user's own: ``nn.remat`` on every block,
+    with each policy; the batch is the first dimension of its tokens (sequence 128)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import outside_models as om
+
+    def strategy(hand: Any) -> Callable:
+        def make(size: int) -> tuple:
+            case = om.loop_decoder(tokens=(size, 128))
+            return case.make(hand), case.args
+
+        return make
+
+    return {"no remat": strategy(None), **{name: strategy(hand) for name, hand in om.HAND.items()}}
+
+
+# model -> (its strategies, batch range, memory limits)
 CASES = {
-    "resnet": ((8, 32, 32, 3), "float32", (4, 256), ("32MiB", "64MiB", "128MiB")),
-    "gpt": ((4, 128), "int32", (1, 32), ("64MiB", "96MiB", "160MiB")),
-    "scan_decoder": ((4, 128), "int32", (1, 32), ("64MiB", "96MiB", "160MiB")),
+    "resnet": (builtin("resnet", (8, 32, 32, 3), "float32"), (4, 256), ("32MiB", "64MiB", "128MiB")),
+    "gpt": (builtin("gpt", (4, 128), "int32"), (1, 32), ("64MiB", "96MiB", "160MiB")),
+    "scan_decoder": (builtin("scan_decoder", (4, 128), "int32"), (1, 32), ("64MiB", "96MiB", "160MiB")),
+    "loop_decoder": (loop_decoder, (1, 32), ("64MiB", "128MiB", "256MiB")),
 }
 MIB = 2**20
 
@@ -106,11 +134,9 @@ def main() -> None:
     names = sys.argv[2:] if merge else (sys.argv[1:] or list(CASES))
     records = []
     for name in names:
-        shape, dtype, sizes, limits = CASES[name]
-        factory = models.SAMPLES[name][0]
+        strategies, sizes, limits = CASES[name]
         for memory in limits:
-            result = fit(model_strategies(factory(), shape, dtype), jr.Device(memory), sizes=sizes, model=name,
-                         steps=3, quiet=True)
+            result = fit(strategies(), jr.Device(memory), sizes=sizes, model=name, steps=3, quiet=True)
             records.append(result.to_json())
             print(summary(records[-1]), flush=True)
             print(result.table(), flush=True)

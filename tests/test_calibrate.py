@@ -153,3 +153,23 @@ def test_corrections_start_from_the_lean_plan_and_correct_its_predicted_peak():
     assert measured[0] == tuple(lean.ops) and lean.peak + excess > budget
     assert cal.measured_peak <= budget and len(measured) <= 3
     assert cal.tries[1][0] <= lean.peak + budget - (lean.peak + excess) + 1  # from the predicted peak
+
+
+def test_a_least_memory_schedule_measured_over_by_more_than_its_slack_ends_the_corrections():
+    """The plan at the least predicted peak measures over by more than the budget's distance to
+    that peak: every schedule is predicted at least as much, so no correction is compiled (a linen
+    CNN at 50% compiled a second least-memory schedule, 2.6 s, that measured further over)."""
+    costs = costs_of_demo_chain()
+    least = jr.min_budget(costs)
+    budget = least + jr.store_all_peak(costs) // 10  # schedules between them, all predicted more
+    plan = jr.solve(costs, least)  # the lean plan: the least peak, within the tie of the fastest
+    measured = []
+
+    def measure(s):
+        measured.append(tuple(s.ops))
+        return s.peak + (budget - least) + 1000 - int(costs.x[0])
+
+    with pytest.raises(jr.InfeasibleBudget, match="measured by XLA"):
+        calibrated_solve(costs, budget, measure, start=plan)
+    assert measured == [tuple(plan.ops)]
+

@@ -128,3 +128,18 @@ def test_shared_values_count_once_and_held_bytes_until_their_backward():
         jr.simulate(costs, [("Fck", 0), ("Offload", 1, "a")] + ops[1:], bandwidth=1.0)
     held = dataclasses.replace(costs, held=[1, 2, 3, 4])
     assert jr.ChainCosts.from_dict(held.to_dict()) == held
+
+
+def test_a_long_blocks_least_peak_is_never_below_the_input():
+    """``Schedule.least_peak`` subtracts every boundary inside the blocks, not only those live at
+    the peak: one block over a long chain of large boundaries and a small input would go below
+    zero; the least any schedule may measure is the input it holds."""
+    from jaxremat.core.ops import store_all_ops
+    from jaxremat.core.schedule import Block, Schedule
+
+    L = 8
+    x = [100] + [10_000] * L
+    costs = jr.ChainCosts(x=x, xbar=[1] * L, fwd=[1.0] * L, bwd=[2.0] * L, fwd_tmp=[0] * L, bwd_tmp=[0] * L)
+    sched = Schedule.from_ops(costs, store_all_ops(L), budget=None, algorithm="blocks", blocks=(Block(0, L, "x"),))
+    assert sched.peak - sum(x[1:L]) < x[0]  # what the old bound gave
+    assert sched.least_peak == x[0]

@@ -153,7 +153,9 @@ def calibrated_solve(
     schedule measured over it at the least working budget: a schedule solved between the two is no
     faster than that one, so it could not win by more than the tie (a linen CNN at 75%, fitting at
     0.97 of the budget within 0.8% of the flops of the plan over it, compiled two more schedules
-    that both measured over, 2026-12-06). Raises :class:`InfeasibleBudget` when no schedule tried
+    that both measured over, 2026-12-06); and once a schedule at the least predicted peak measures
+    over by more than that peak's distance to the budget (no schedule is predicted less, so none
+    corrected by the same excess fits). Raises :class:`InfeasibleBudget` when no schedule tried
     fits.
     """
     target = parse_budget(budget, costs)
@@ -185,7 +187,14 @@ def calibrated_solve(
         # peak corrected by it, not the working budget it was solved for (a plan kept lean peaks
         # well below its budget: a linen CNN's at 11.07 of 12.43 MiB measured 13.09, and the budget
         # corrected, 11.77, gave a schedule of 11.57 that measured over again, 2026-12-06)
-        step = _next_budget(costs, work, sched.peak + (target - got), fits, over, seen, algorithm, slots)
+        proposal = sched.peak + (target - got)
+        if proposal < least and sched.peak <= least:
+            # the least-memory schedule measured over by more than any schedule's prediction can
+            # give back: every schedule left is predicted at least as much, so corrected by the same
+            # excess none fits (a linen CNN at 50%, its plan at the least 9.07 MiB measured 11.09
+            # over 9.29; another schedule of 9.07 compiled at 13.63, 2.6 s for nothing, 2026-12-06)
+            break
+        step = _next_budget(costs, work, proposal, fits, over, seen, algorithm, slots)
         if step is None:
             break
         work, sched = step

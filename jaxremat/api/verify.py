@@ -30,7 +30,7 @@ from jaxremat.core.ops import Op, OpKind
 from jaxremat.core.schedule import Block, InfeasibleBudget, Schedule
 from jaxremat.core.simulator import predicted_flops
 from jaxremat.core.units import format_bytes
-from jaxremat.profiling.parallel import side_by_side
+from jaxremat.profiling.parallel import side_by_side, threads
 from jaxremat.solvers import baselines
 from jaxremat.solvers.lean import LEAN_TIE, preferred
 
@@ -265,6 +265,12 @@ def verify(
                     compiled.append(key)
 
     x0, asked = int(costs.x[0]), schedule.asked
+    if compare_hand and target is not None and threads() > 1:
+        # the plan and the hand strategies it is compared with once it fits (the common case),
+        # compiled side by side rather than one after another: a linen decoder's plan and "every
+        # block under dots_saveable", 2.7 s each, 2026-12-06. Over the budget, the hand strategy is
+        # one a correction would be compared with too, or one kept in ``earlier``.
+        prefetch([schedule] + [h for _, h in hands(schedule, True)][: threads() - 1])
     got = measured(schedule)
     chosen, corrections = "plan", 0
     fits = target is None or got.peak <= target

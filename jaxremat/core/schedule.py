@@ -93,8 +93,10 @@ class Schedule:
     def least_peak(self) -> int:
         """The peak less the bytes of the boundaries inside its blocks, which a block keeps only
         where its policy saves them: the least the schedule may measure (the peak itself for a
-        schedule without blocks)."""
-        return self.peak - sum(int(self.costs.x[j]) for b in self.blocks for j in range(b.start + 1, b.stop))
+        schedule without blocks), and never less than the input, which every schedule holds (the
+        boundaries subtracted are those of every block, not only those live at the peak)."""
+        inside = sum(int(self.costs.x[j]) for b in self.blocks for j in range(b.start + 1, b.stop))
+        return max(self.peak - inside, int(self.costs.x[0]))
 
     @classmethod
     def from_ops(
