@@ -32,7 +32,7 @@ LABELS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(SAMPLES), choices=list(SAMPLES))
+    parser.add_argument("--models", nargs="+", default=list(LABELS), choices=list(LABELS))
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     out = Path(__file__).resolve().parent / "results"

@@ -72,6 +72,18 @@ def test_too_small_a_device_names_the_least_memory_and_the_cli_writes_json_and_a
     assert "--axis 'depth'" in capsys.readouterr().err
 
 
+def test_the_cli_fits_the_strategies_a_user_writes(capsys):
+    """``--model PKG.MODULE:FACTORY`` giving name -> make(size) -> (loss, args): the user's own
+    hand strategies, each bisected as the built-in ones are, jaxremat planning "no remat"."""
+    argv = ["fit", "--model", "tests.cli_models:mlp_strategies", "--memory", "2MiB", "--range", "2:16", "--steps", "0",
+            "--quiet"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| my dots_saveable |" in text and "| jaxremat |" in text and "| no remat |" in text
+    assert main(["fit", "--model", "tests.cli_models:not_strategies", "--memory", "2MiB"]) == 2
+    assert "'no remat' among them" in capsys.readouterr().err
+
+
 def test_jr_fit_takes_a_model_and_its_input_shape():
     with pytest.raises(ValueError, match="input_shape"):
         jr.fit(mlp(), "1GiB")

@@ -24,9 +24,10 @@ class UsageError(ValueError):
 # -- loading a model ------------------------------------------------------------------------------
 
 
-def load_model(spec: str) -> tuple[Any, tuple[int, ...] | None, str]:
+def load_model(spec: str, strategies: bool = False) -> tuple[Any, tuple[int, ...] | None, str]:
     """``(model, default input shape or None, default dtype)`` for a built-in name or
-    ``PKG.MODULE:FACTORY``."""
+    ``PKG.MODULE:FACTORY``; with ``strategies`` (``fit``), the factory may also give a dict of
+    :data:`~jaxremat.tools.fit.Strategy` by name, ``"no remat"`` among them."""
     if spec in SAMPLES:
         factory, shape, dtype = SAMPLES[spec]
         return factory(), shape, dtype
@@ -52,6 +53,13 @@ def load_model(spec: str) -> tuple[Any, tuple[int, ...] | None, str]:
             obj = obj()
         except TypeError as e:
             raise UsageError(f"{spec} must be a model or a function of no arguments returning one: {e}") from None
+    if strategies and isinstance(obj, dict):
+        if "no remat" not in obj or not all(callable(make) for make in obj.values()):
+            raise UsageError(
+                f"{spec} gave a dict; for fit it must map strategy names, 'no remat' among them, to functions "
+                f"make(size) -> (loss, args) (got keys {sorted(obj)})"
+            )
+        return obj, None, "float32"
     if not _is_model(obj):
         raise UsageError(
             f"{spec} gave a {type(obj).__name__}; expected a linen module (any: a Sequential is planned layer by "
@@ -214,19 +222,20 @@ def cmd_fit(args: argparse.Namespace) -> None:
     from jaxremat.core.device import Device
     from jaxremat.tools.fit import fit, model_strategies, write_json
 
-    model, shape, dtype = load_model(args.model)
+    model, shape, dtype = load_model(args.model, strategies=True)
     shape = parse_shape(args.input_shape) if args.input_shape else shape
-    if shape is None:
+    given = isinstance(model, dict)  # the user's strategies make their inputs: the axis is a label
+    if shape is None and not given:
         raise UsageError(f"--input-shape is needed for {args.model} (e.g. --input-shape 16,32,32,3)")
     axes = {"batch": 0, "sequence": 1}
     axis = axes.get(args.axis, int(args.axis) if args.axis.isdigit() else -1)
-    if not 0 <= axis < len(shape):
+    if not given and not 0 <= axis < len(shape):
         raise UsageError(f"--axis {args.axis!r}: give batch, sequence or a dimension of the input (0-{len(shape) - 1})")
     lo, _, hi = args.range.partition(":")
     if not (lo.isdigit() and hi.isdigit()):
         raise UsageError(f"--range {args.range!r}: give the smallest and largest sizes as LO:HI, e.g. 8:1024")
     device = Device(args.memory, headroom=args.headroom)
-    strategies = model_strategies(model, shape, args.dtype or dtype, axis)
+    strategies = model if given else model_strategies(model, shape, args.dtype or dtype, axis)
     result = fit(strategies, device, sizes=(int(lo), int(hi)), model=args.model, axis=args.axis,
                  steps=args.steps, time_all=args.curve, quiet=args.quiet)
     print(f"{args.model}: the largest {args.axis} in {device.describe()} ({result.usable:,} bytes usable)\n")
@@ -332,7 +341,12 @@ def parser() -> argparse.ArgumentParser:
         "training step fits the memory under no remat, each hand-written jax.checkpoint strategy and "
         "jaxremat, and time each there.",
     )
-    f.add_argument("--model", required=True, help=f"built-in ({', '.join(SAMPLES)}) or PKG.MODULE:FACTORY")
+    f.add_argument(
+        "--model",
+        required=True,
+        help=f"built-in ({', '.join(SAMPLES)}) or PKG.MODULE:FACTORY, a model or a dict of the user's strategies: "
+        "name -> make(size) -> (loss, args), 'no remat' among them",
+    )
     f.add_argument("--memory", required=True, help="the device's memory: '16GiB', '24GB', bytes, or 'device' (GPU)")
     f.add_argument("--axis", default="batch", help="batch (default), sequence, or an input dimension's index")
     f.add_argument("--range", default="8:1024", help="smallest and largest sizes to try, LO:HI (default 8:1024)")
