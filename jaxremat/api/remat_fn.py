@@ -167,7 +167,7 @@ class RematFunction:
         kept = plan_cache.plan_key(closed, key, self.budget, self.options, cut)
         use_disk = plan_cache.enabled(self.options)
         cached = plan_cache.load(kept) if use_disk else None
-        sig = signature(traced.chain, variables, ())
+        sig = signature(traced.chain, variables, ()) if use_disk else None  # what a kept entry is checked by
         if isinstance(cached, plan_cache.Refusal) and cached.signature == sig:
             raise cached.error
         if isinstance(cached, Plan) and cached.signature == sig:
