@@ -7,7 +7,8 @@ refusal's time counted): tracing, profiling, solving,
 verifying (the split its plan reports) and the compile of the planned step, which is what the
 user waits for before the first step runs. The same again in a second process with the same
 cache folder (``JAXREMAT_CACHE_DIR``): the verified plan is read from the disk
-(:mod:`jaxremat.api.plan_cache`), and only the trace and the planned step's compile remain.
+(:mod:`jaxremat.api.plan_cache`), and only the trace and the planned step's compile remain. The
+second process runs three times and the median of its ratios to its own plain compile is reported.
 
 Goal (issue 44): the first call at most 5x the plain compile (or the plain compile + 10 s,
 whichever is more), the second process at most 1.5x.
@@ -35,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 METHOD = "flops"  # jaxremat.remat's default
+SECOND_RUNS = 3  # second processes per model, the median reported
 MODELS = ("loop_decoder", "loop_mlp", "linen_cnn", "equinox", "nnx_list", "resnet", "gpt", "linen_scan")
 
 CHILD = textwrap.dedent(
@@ -96,7 +98,11 @@ def run(name: str, cache: str) -> dict:
 
 def row(name: str) -> str:
     with tempfile.TemporaryDirectory() as cache:
-        first, second = run(name, cache), run(name, cache)
+        first = run(name, cache)
+        seconds = [run(name, cache) for _ in range(SECOND_RUNS)]
+    # the second process's ratio to its own plain compile, the median of SECOND_RUNS: one sample
+    # of a sub-second compile on this shared machine moves by a third from run to run
+    second = sorted(seconds, key=lambda s: (s["planned"] + s["compiled"]) / s["plain"])[len(seconds) // 2]
     plain = first["plain"]
     goal = max(5 * plain, plain + 10)
     total1 = first["planned"] + first["compiled"]
@@ -129,7 +135,8 @@ def main() -> None:
             f"`python benchmarks/setup_time.py` ({datetime.date.today()}, CPU, jax "
             f"{__import__('jax').__version__}, `jaxremat.remat(loss, '50%', method={METHOD!r})` (75% where 50% is "
             "refused), each run in a fresh "
-            "process; the second with the first one's cache folder). Goal: the first call at most 5x the plain "
+            f"process; the second with the first one's cache folder, {SECOND_RUNS} times, the median shown). "
+            "Goal: the first call at most 5x the plain "
             "compile or the plain compile + 10 s; the second process at most 1.5x.",
             "",
             *rows,
