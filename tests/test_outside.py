@@ -260,13 +260,12 @@ def test_a_refused_budget_is_refused_again_from_the_disk(monkeypatch, tmp_path):
     assert str(again.value) == str(first.value) and again.value.min_budget == first.value.min_budget
 
 
-def test_a_region_of_several_stages_recomputes_in_the_backward(monkeypatch):
+def test_a_region_of_several_stages_recomputes_in_the_backward():
     """The stages a region recomputes before its last read no cotangent; untied, XLA recomputed
     them in the forward pass and held the results until the backward (a 12-layer loop MLP's 50%
     plan, stages 3-6 a region before stored stages: 29.25 MiB where 18.25 were planned)."""
     from jaxremat.api.verify_step import step_measure
     from jaxremat.core.ops import Op, OpKind
-    from jaxremat.run import _regions as regions
 
     case = loop_mlp(layers=8, width=128)
     f = jr.remat(case.loss, None, method="xla", rates=RATES, policies=(), verify=False)
@@ -284,10 +283,3 @@ def test_a_region_of_several_stages_recomputes_in_the_backward(monkeypatch):
     got = step_measure(prepared.traced, flat, len(jax.tree.leaves(case.args[0])))(sched)
     act = int(costs.x[2])
     assert got.peak <= sched.peak + act, (got.peak, sched.peak, act)
-    # one gradient reads the tie; read by every one, each weight gradient was written once more
-    # (XLA fuses no element-wise consumer into a matmul's output on the CPU): an add an element
-    monkeypatch.setattr(regions, "after_one", regions.after)
-    each = step_measure(prepared.traced, flat, len(jax.tree.leaves(case.args[0])))(sched)
-    ws, bs = (p[1:5] for p in case.args[0])  # the region's stages' kernels and biases
-    spared = sum(int(np.size(w)) + int(np.size(b)) for w, b in zip(ws, bs)) - int(np.size(bs[0]))
-    assert each.flops - got.flops >= spared, (got.flops, each.flops, spared)

@@ -34,22 +34,6 @@ def after(tree: Any, token: jax.Array) -> Any:
     return jax.tree.map(one, tree)
 
 
-def after_one(tree: Any, token: jax.Array) -> Any:
-    """``tree`` with its smallest float leaf read only once ``token`` is made (:func:`after`):
-    for a tree that then passes one optimisation barrier, whose outputs XLA makes together, so
-    that everything leaving it waits for ``token``. Adding the token to every leaf did the same
-    at the price of a pass over each: XLA fuses no element-wise consumer into a matmul's output
-    on the CPU, so each weight gradient was written once more (a 12-layer MLP's 50% plan: 10
-    more kernels, its compile 1.3x the plain step's)."""
-    leaves, tree_def = jax.tree.flatten(tree)
-    floats = [n for n, x in enumerate(leaves) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-    if not floats:
-        return tree
-    n = min(floats, key=lambda n: jnp.size(leaves[n]))
-    leaves[n] = after(leaves[n], token)
-    return jax.tree.unflatten(tree_def, leaves)
-
-
 @jax.custom_vjp
 def tap(a: Any, token: jax.Array) -> Any:
     """``a`` unchanged; ``token``'s cotangent is one element of ``a``'s, so whatever reads it
@@ -179,11 +163,11 @@ def tied_checkpoint(
             # its weight gradients read the barrier's element of the cotangent, so that the
             # barrier, and the recomputation reading its outputs, wait for the cotangent (why
             # each kind of region needs it: docs/notes/regions-measurements.md)
-            mine = after_one(mine, arrived)
+            mine = after(mine, arrived)
         if leaves is Leaves.HANDED:
             mine, d_a, d_token = _leave_handed(mine, d_a, d_inner)
         elif leaves is Leaves.TAPPED:
-            mine, d_a, d_token = _leave_together(after_one(mine, d_tap), d_a)
+            mine, d_a, d_token = _leave_together(after(mine, d_tap), d_a)
         else:
             mine, d_a, d_token = _leave_together(mine, d_a)
         return {**d_owned, **mine}, None, d_a, d_token
@@ -232,7 +216,7 @@ def _leave_handed(mine: dict, d_a: Any, d_inner: Any) -> tuple[dict, Any, Any]:
     leave with the token's cotangent through the barrier."""
     mark = element_now(d_a)
     if mark is not None:
-        mine = after_one(mine, mark)
+        mine = after(mine, mark)
     mine, d_token = lax.optimization_barrier((mine, d_inner))
     return mine, d_a, d_token
 
