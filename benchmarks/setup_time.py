@@ -128,7 +128,7 @@ def row(name: str) -> str:
     return (
         f"| {name} | {first['budget']} | {first['stages']} | {plain:.1f} | "
         f"{total1:.1f} ({split}; compile {first['compiled']:.1f}) | "
-        f"{total1 / plain:.1f}x | {ok1} | {total2:.1f} | {ratio(second):.2f}x | {ok2} |"
+        f"{ratio(first):.1f}x | {ok1} | {total2:.1f} | {ratio(second):.2f}x | {ok2} |"
     )
 
 
